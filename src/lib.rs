@@ -1,5 +1,42 @@
-//! adag: compiled actor graphs for Rust.
+#![doc = include_str!("../README.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
 
-pub(crate) mod sync;
+pub mod actor;
 pub mod channel;
+pub mod comm;
+pub mod compile;
+pub mod dag;
+pub mod error;
+pub mod exec;
+pub(crate) mod sync;
+mod value;
+
+pub use actor::{Actor, ActorHandle, HandleCore, Placement, Runtime};
+pub use adag_macros::actor;
+pub use compile::{CompileOptions, DefaultCommunicator};
+pub use dag::{AnyNode, Arg, Dag, ErasedArg, InputNode, IntoOutputs, MultiOutput, Node};
+pub use error::{Capacity, Error, Result};
+pub use exec::{CompiledGraph, CompiledRef, RefSet, get_all};
+pub use value::{TypeTag, Value};
+
+/// Start-up hook: in a worker process started by a driver this runs the worker and never
+/// returns; in any other process it does nothing. Called automatically before `main` in
+/// every executable that links adag, and by [`Runtime::new`]; calling it at the top of
+/// `main` is harmless.
+pub fn init() {
+    actor::worker::maybe_run_worker();
+}
+
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::actor::method::{method, method_split};
+    pub use crate::actor::registry::{ACTOR_TYPES, ActorTypeEntry};
+    pub use crate::actor::{FromHandleCore, HandleCore, MethodEntry};
+    pub use linkme;
+
+    /// Run an async method to completion on the actor's own thread.
+    pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        crate::actor::block_on(f)
+    }
+}

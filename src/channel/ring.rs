@@ -1,0 +1,550 @@
+//! The ring protocol: one writer, many readers, `depth` slots, independent of where the memory
+//! lives (a shared mapping in [`shm`](super::shm), a heap allocation in tests and loom models).
+//!
+//! # State
+//!
+//! All shared state is atomics in a [`RingControl`] and one [`Cursor`] per reader, each hot word
+//! on its own 128-byte line. Sequence numbers are `u64` and never wrap in practice.
+//!
+//! | word | written by | meaning |
+//! |---|---|---|
+//! | `write_seq` | writer | messages published: sequence `s` is readable iff `s < write_seq` |
+//! | `cursor[r]` | reader `r` | reader `r` has released every sequence `< cursor[r]` |
+//! | `closed` | anybody | the channel is closed (idempotent, never reset) |
+//! | `data` | readers sleep here | [`WaitCell`]: futex word and sleeper count |
+//! | `space` | the writer sleeps here | [`WaitCell`]: futex word and sleeper count |
+//!
+//! Message `s` lives in slot `s % depth`. The slot's contents are not part of this module: the
+//! caller writes them between [`RingWriter::reserve`] and [`RingWriter::publish`], and reads
+//! them between [`RingReader::acquire`] and the release.
+//!
+//! # Protocol
+//!
+//! - **Write**: the writer may fill slot `s % depth` once every reader released `s - depth`, i.e.
+//!   `s - min(cursor) < depth` (it caches `min(cursor)` so that the fast path reads no cursor).
+//!   Otherwise it waits on `space`. It then writes the slot and publishes with
+//!   `write_seq.store(s + 1, Release)` followed by `data.notify()`.
+//! - **Read**: reader `r` waits on `data` until `write_seq > s` (acquire, so the slot's contents
+//!   are visible), reads the slot, and releases with `cursor[r].store(s + 1, Release)` followed by
+//!   `space.notify()`. A slot is reused only after *every* reader released it; the acquire load
+//!   of the cursors orders the writer's next write after every reader's last read.
+//! - **Close** sets `closed` and wakes both cells unconditionally. A blocked writer returns
+//!   [`RingError::Closed`] at once; readers first drain what was published, then return
+//!   `Closed`. Dropping a [`RingWriter`] or [`RingReader`] closes the ring, so nobody waits for
+//!   a peer that left.
+//! - **Leases**: a reader may keep a message past its next read ([`RingReader::lease`]). Such
+//!   releases may come out of order and from other threads; they are recorded in a small
+//!   reader-local table under a mutex and `cursor[r]` advances over the contiguous prefix.
+//!   In-order releases with no lease outstanding (the common case) take no lock.
+//!
+//! # Why no wake-up is lost
+//!
+//! Every waiter polls its condition *and* `closed` after registering as a sleeper, and every
+//! state change (`write_seq`, a cursor, `closed`) is followed by a notify of the cell its
+//! waiters sleep on; [`WaitCell`] turns that pair into a Dekker-style handshake with two SeqCst
+//! fences (see [`wait`](super::wait)), so either the waiter sees the change or the waker sees
+//! the sleeper and bumps the futex word before waking it. The loom models in `loom_tests.rs`
+//! check this with a futex model that has no timeout, so a lost wake-up is a deadlock there.
+//! The 100 ms bound on each real futex sleep only guards against peers that die.
+
+use std::sync::PoisonError;
+use std::time::{Duration, Instant};
+
+use crate::channel::wait::WaitCell;
+use crate::sync::{Arc, AtomicU32, AtomicU64, Mutex, Ordering};
+
+/// Errors of the ring and of the shared-memory channel built on it.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RingError {
+    #[error("the channel is closed")]
+    Closed,
+    #[error(
+        "timed out waiting on the channel (for a free slot when writing, a message when reading)"
+    )]
+    Timeout,
+    #[error(
+        "a message of {size} bytes exceeds the channel's limit of {limit} bytes (max_message_bytes)"
+    )]
+    TooLarge { size: usize, limit: usize },
+    #[error("shared-memory channel I/O failed: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("shared-memory channel is corrupt or incompatible: {0}")]
+    Corrupt(String),
+}
+
+/// Aligns and pads `T` to 128 bytes: two cache lines, because Intel's adjacent-line prefetcher
+/// (and the big cores of ARM) move lines in pairs, as tokio's `util/cacheline.rs` explains.
+#[repr(C, align(128))]
+#[derive(Debug, Default)]
+pub(crate) struct CachePadded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for CachePadded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// Shared state of a ring, except the readers' cursors. All-zero bytes are a valid (empty,
+/// unconfigured) state, so it can live in a fresh shared mapping; [`init`](Self::init) sets
+/// the shape.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(crate) struct RingControl {
+    /// Messages published so far. Written by the writer only.
+    write_seq: CachePadded<AtomicU64>,
+    /// Readers sleep here until `write_seq` moves or the ring closes.
+    data: CachePadded<WaitCell>,
+    /// The writer sleeps here until a cursor moves or the ring closes.
+    space: CachePadded<WaitCell>,
+    /// Read-mostly words.
+    meta: CachePadded<Meta>,
+}
+
+#[repr(C)]
+#[derive(Debug, Default)]
+struct Meta {
+    depth: AtomicU32,
+    readers: AtomicU32,
+    closed: AtomicU32,
+    writer_attached: AtomicU32,
+}
+
+impl RingControl {
+    /// Sets the shape; called once, before the memory is shared.
+    pub(crate) fn init(&self, depth: u32, readers: u32) {
+        assert!(depth > 0 && readers > 0, "a ring needs a slot and a reader");
+        self.meta.depth.store(depth, Ordering::Relaxed);
+        self.meta.readers.store(readers, Ordering::Relaxed);
+    }
+
+    pub(crate) fn depth(&self) -> u32 {
+        self.meta.depth.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn readers(&self) -> u32 {
+        self.meta.readers.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.meta.closed.load(Ordering::Acquire) != 0
+    }
+
+    /// Closes the ring and wakes every sleeper. Idempotent.
+    pub(crate) fn close(&self) {
+        // Release: a reader that sees `closed` also sees the writer's last `write_seq`, when
+        // the writer closed after publishing.
+        self.meta.closed.store(1, Ordering::Release);
+        self.data.wake();
+        self.space.wake();
+    }
+}
+
+/// One reader's position: every sequence below `released` was released by that reader.
+#[repr(C, align(128))]
+#[derive(Debug, Default)]
+pub(crate) struct Cursor {
+    released: AtomicU64,
+    attached: AtomicU32,
+}
+
+/// Where a ring's shared words live. Cloning must be cheap (an `Arc`): leases hold a clone.
+pub(crate) trait RingMemory: Clone {
+    fn control(&self) -> &RingControl;
+    /// The cursor of reader `index`; `index < control().readers()`.
+    fn cursor(&self, index: u32) -> &Cursor;
+}
+
+/// A ring in ordinary memory, for the loom models and threaded tests (loom cannot model a
+/// shared mapping). Widen the `cfg` to build an in-process channel kind on it.
+#[cfg(test)]
+#[derive(Debug)]
+pub(crate) struct HeapRing {
+    control: RingControl,
+    cursors: Box<[Cursor]>,
+}
+
+#[cfg(test)]
+impl HeapRing {
+    pub(crate) fn new(depth: u32, readers: u32) -> Arc<Self> {
+        let ring = Self {
+            control: RingControl::default(),
+            cursors: (0..readers).map(|_| Cursor::default()).collect(),
+        };
+        ring.control.init(depth, readers);
+        Arc::new(ring)
+    }
+}
+
+#[cfg(test)]
+impl RingMemory for Arc<HeapRing> {
+    fn control(&self) -> &RingControl {
+        &self.control
+    }
+    fn cursor(&self, index: u32) -> &Cursor {
+        &self.cursors[index as usize]
+    }
+}
+
+/// The writing end. At most one per ring ([`attach`](Self::attach) refuses a second).
+#[derive(Debug)]
+pub(crate) struct RingWriter<M: RingMemory> {
+    mem: M,
+    depth: u64,
+    spin: Duration,
+    /// Sequence number of the next message.
+    next: u64,
+    /// A lower bound of every reader's cursor, cached so that the fast path reads no cursor.
+    min_released: u64,
+}
+
+impl<M: RingMemory> RingWriter<M> {
+    /// The writer of the ring in `mem`, or `None` if it was attached before.
+    pub(crate) fn attach(mem: M, spin: Duration) -> Option<Self> {
+        let ctl = mem.control();
+        if ctl.meta.writer_attached.swap(1, Ordering::AcqRel) != 0 {
+            return None;
+        }
+        let next = ctl.write_seq.load(Ordering::Acquire);
+        let depth = u64::from(ctl.depth());
+        let min_released = min_cursor(&mem);
+        Some(Self {
+            mem,
+            depth,
+            spin,
+            next,
+            min_released,
+        })
+    }
+
+    pub(crate) fn memory(&self) -> &M {
+        &self.mem
+    }
+
+    /// Waits until slot `next % depth` is free and returns `next`, the sequence number the
+    /// caller may now write into that slot. Changes no shared state, so it may be called again
+    /// (e.g. after the caller gave up on a message) before [`publish`](Self::publish).
+    pub(crate) fn reserve(&mut self, deadline: Option<Instant>) -> Result<u64, RingError> {
+        let ctl = self.mem.control();
+        if ctl.is_closed() {
+            return Err(RingError::Closed);
+        }
+        let (next, depth) = (self.next, self.depth);
+        if next - self.min_released < depth {
+            return Ok(next);
+        }
+        let mem = &self.mem;
+        let ready = ctl.space.wait(self.spin, deadline, || {
+            if ctl.is_closed() {
+                return Some(Err(RingError::Closed));
+            }
+            let min = min_cursor(mem);
+            (next - min < depth).then_some(Ok(min))
+        });
+        self.min_released = ready.ok_or(RingError::Timeout)??;
+        Ok(next)
+    }
+
+    /// Publishes the reserved slot: readers may read it once this returns.
+    pub(crate) fn publish(&mut self) {
+        debug_assert!(
+            self.next - self.min_released < self.depth,
+            "publish without reserve"
+        );
+        self.next += 1;
+        let ctl = self.mem.control();
+        ctl.write_seq.store(self.next, Ordering::Release);
+        ctl.data.notify();
+    }
+}
+
+impl<M: RingMemory> Drop for RingWriter<M> {
+    fn drop(&mut self) {
+        self.mem.control().close();
+    }
+}
+
+fn min_cursor(mem: &impl RingMemory) -> u64 {
+    (0..mem.control().readers())
+        .map(|index| mem.cursor(index).released.load(Ordering::Acquire))
+        .min()
+        .unwrap_or(u64::MAX)
+}
+
+/// Stores a reader's new cursor and tells the writer.
+fn publish_cursor(mem: &impl RingMemory, index: u32, released: u64) {
+    mem.cursor(index)
+        .released
+        .store(released, Ordering::Release);
+    mem.control().space.notify();
+}
+
+/// Releases of one reader that may come out of order (leases), from any thread.
+#[derive(Debug)]
+struct Releases {
+    /// Leases alive. While it is zero the reader releases in order without the lock.
+    leases: AtomicU32,
+    /// `released[s % depth]`: sequence `s` (at or above the cursor) was released.
+    released: Mutex<Box<[bool]>>,
+}
+
+impl Releases {
+    fn release<M: RingMemory>(&self, mem: &M, index: u32, seq: u64) {
+        let mut released = self.released.lock().unwrap_or_else(PoisonError::into_inner);
+        let depth = released.len() as u64;
+        // Only sequences in [cursor, cursor + depth) can be outstanding (the writer keeps
+        // within `depth` of every cursor), so `s % depth` names one of them.
+        released[(seq % depth) as usize] = true;
+        let start = mem.cursor(index).released.load(Ordering::Acquire);
+        let mut cursor = start;
+        while std::mem::take(&mut released[(cursor % depth) as usize]) {
+            cursor += 1;
+        }
+        if cursor != start {
+            publish_cursor(mem, index, cursor);
+        }
+    }
+}
+
+/// A reading end. One per reader index ([`attach`](Self::attach) refuses a second).
+#[derive(Debug)]
+pub(crate) struct RingReader<M: RingMemory> {
+    mem: M,
+    index: u32,
+    spin: Duration,
+    /// Sequence number of the next message to acquire.
+    next: u64,
+    /// The last `write_seq` seen: messages below it are readable without a shared load.
+    published: u64,
+    releases: Arc<Releases>,
+}
+
+impl<M: RingMemory> RingReader<M> {
+    /// Reader `index` of the ring in `mem`, or `None` if the index is out of range or was
+    /// attached before.
+    pub(crate) fn attach(mem: M, index: u32, spin: Duration) -> Option<Self> {
+        let ctl = mem.control();
+        if index >= ctl.readers() {
+            return None;
+        }
+        let cursor = mem.cursor(index);
+        if cursor.attached.swap(1, Ordering::AcqRel) != 0 {
+            return None;
+        }
+        let next = cursor.released.load(Ordering::Acquire);
+        let depth = ctl.depth() as usize;
+        Some(Self {
+            index,
+            spin,
+            next,
+            published: next,
+            releases: Arc::new(Releases {
+                leases: AtomicU32::new(0),
+                released: Mutex::new(vec![false; depth].into_boxed_slice()),
+            }),
+            mem,
+        })
+    }
+
+    pub(crate) fn memory(&self) -> &M {
+        &self.mem
+    }
+
+    /// Waits for the next message and returns its sequence number; the caller reads slot
+    /// `seq % depth` and then calls [`release`](Self::release) or [`lease`](Self::lease).
+    /// After a close, messages already published are still returned, then `Closed`.
+    pub(crate) fn acquire(&mut self, deadline: Option<Instant>) -> Result<u64, RingError> {
+        if self.next == self.published {
+            let ctl = self.mem.control();
+            let next = self.next;
+            let ready = ctl.data.wait(self.spin, deadline, || {
+                // `closed` first: if the writer closed after its last publish, seeing the
+                // close (acquire) implies seeing that publish.
+                let closed = ctl.is_closed();
+                let published = ctl.write_seq.load(Ordering::Acquire);
+                if published > next {
+                    Some(Ok(published))
+                } else if closed {
+                    Some(Err(RingError::Closed))
+                } else {
+                    None
+                }
+            });
+            self.published = ready.ok_or(RingError::Timeout)??;
+        }
+        let seq = self.next;
+        self.next += 1;
+        Ok(seq)
+    }
+
+    /// Releases `seq`, the latest sequence acquired: its slot may be reused once every reader
+    /// released it.
+    pub(crate) fn release(&mut self, seq: u64) {
+        debug_assert_eq!(
+            seq + 1,
+            self.next,
+            "release of a sequence that is not the latest"
+        );
+        if self.releases.leases.load(Ordering::Acquire) == 0 {
+            // No lease is alive, so every earlier sequence was released and the cursor is at
+            // `seq`; nobody else writes it now.
+            debug_assert_eq!(
+                self.mem.cursor(self.index).released.load(Ordering::Relaxed),
+                seq
+            );
+            publish_cursor(&self.mem, self.index, seq + 1);
+        } else {
+            self.releases.release(&self.mem, self.index, seq);
+        }
+    }
+
+    /// Turns the acquired `seq` into a lease that releases it when dropped, on any thread,
+    /// while this reader goes on reading.
+    pub(crate) fn lease(&mut self, seq: u64) -> RingLease<M> {
+        debug_assert!(seq < self.next, "lease of a sequence not acquired");
+        self.releases.leases.fetch_add(1, Ordering::Relaxed);
+        RingLease {
+            mem: self.mem.clone(),
+            index: self.index,
+            seq,
+            releases: self.releases.clone(),
+        }
+    }
+}
+
+impl<M: RingMemory> Drop for RingReader<M> {
+    fn drop(&mut self) {
+        self.mem.control().close();
+    }
+}
+
+/// A message kept past the reader's next read; releases its slot when dropped.
+#[derive(Debug)]
+pub(crate) struct RingLease<M: RingMemory> {
+    mem: M,
+    index: u32,
+    seq: u64,
+    releases: Arc<Releases>,
+}
+
+impl<M: RingMemory> RingLease<M> {
+    pub(crate) fn memory(&self) -> &M {
+        &self.mem
+    }
+}
+
+impl<M: RingMemory> Drop for RingLease<M> {
+    fn drop(&mut self) {
+        self.releases.release(&self.mem, self.index, self.seq);
+        // After the release: a reader that sees no lease alive may write the cursor itself.
+        self.releases.leases.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Slot contents for the ring tests: one `u64` per slot with no synchronisation of its own, so
+/// that only the ring protocol orders the writer's and the readers' accesses (loom fails a model
+/// in which two of them race).
+#[cfg(test)]
+pub(crate) mod test_slots {
+    use crate::sync::UnsafeCell;
+
+    pub(crate) struct Slots(Box<[UnsafeCell<u64>]>);
+
+    // SAFETY: the protocol under test orders every access; the loom models check that it does.
+    unsafe impl Sync for Slots {}
+
+    impl Slots {
+        pub(crate) fn new(depth: u32) -> Self {
+            Self((0..depth).map(|_| UnsafeCell::new(0)).collect())
+        }
+
+        fn cell(&self, seq: u64) -> &UnsafeCell<u64> {
+            &self.0[(seq % self.0.len() as u64) as usize]
+        }
+
+        /// Writes message `seq`'s value; call between `reserve` and `publish`.
+        pub(crate) fn write(&self, seq: u64, value: u64) {
+            // SAFETY: the writer owns the slot between `reserve` and `publish`.
+            self.cell(seq).with_mut(|slot| unsafe { *slot = value });
+        }
+
+        /// Reads message `seq`'s value; call between `acquire` and the release.
+        pub(crate) fn read(&self, seq: u64) -> u64 {
+            // SAFETY: readers share the slot between `acquire` and the release.
+            self.cell(seq).with(|slot| unsafe { *slot })
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::test_slots::Slots;
+    use super::*;
+    use crate::channel::wait::DEFAULT_SPIN;
+    use crate::sync::thread;
+
+    /// Writer and readers on threads over a heap ring, one value per slot.
+    #[test]
+    fn every_reader_sees_every_message_in_order() {
+        const DEPTH: u32 = 4;
+        const READERS: u32 = 3;
+        const MESSAGES: u64 = 20_000;
+        let ring = HeapRing::new(DEPTH, READERS);
+        let slots = Arc::new(Slots::new(DEPTH));
+        let readers: Vec<_> = (0..READERS)
+            .map(|index| {
+                let mut reader = RingReader::attach(ring.clone(), index, DEFAULT_SPIN).unwrap();
+                let slots = slots.clone();
+                thread::spawn(move || {
+                    let mut leases = Vec::new();
+                    for expected in 0..MESSAGES {
+                        let seq = reader.acquire(None).unwrap();
+                        assert_eq!(seq, expected);
+                        assert_eq!(slots.read(seq), seq * 7 + 1);
+                        // Reader 0 keeps every third message past its next read.
+                        if index == 0 && seq % 3 == 0 {
+                            leases.push(reader.lease(seq));
+                            if leases.len() > 1 {
+                                leases.remove(0);
+                            }
+                        } else {
+                            reader.release(seq);
+                        }
+                    }
+                    drop(leases);
+                    // The writer closes after the last message.
+                    assert!(matches!(reader.acquire(None), Err(RingError::Closed)));
+                })
+            })
+            .collect();
+        let mut writer = RingWriter::attach(ring.clone(), DEFAULT_SPIN).unwrap();
+        assert!(RingWriter::attach(ring.clone(), DEFAULT_SPIN).is_none());
+        for seq in 0..MESSAGES {
+            assert_eq!(writer.reserve(None).unwrap(), seq);
+            slots.write(seq, seq * 7 + 1);
+            writer.publish();
+        }
+        drop(writer);
+        for reader in readers {
+            reader.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn reserve_times_out_when_full_and_fails_when_closed() {
+        let ring = HeapRing::new(1, 1);
+        let mut writer = RingWriter::attach(ring.clone(), DEFAULT_SPIN).unwrap();
+        let _reader = RingReader::attach(ring.clone(), 0, DEFAULT_SPIN).unwrap();
+        assert!(RingReader::attach(ring.clone(), 0, DEFAULT_SPIN).is_none());
+        assert!(RingReader::attach(ring.clone(), 1, DEFAULT_SPIN).is_none());
+        writer.reserve(None).unwrap();
+        writer.publish();
+        let deadline = Instant::now() + Duration::from_millis(20);
+        assert!(matches!(
+            writer.reserve(Some(deadline)),
+            Err(RingError::Timeout)
+        ));
+        ring.control().close();
+        assert!(matches!(writer.reserve(None), Err(RingError::Closed)));
+    }
+}

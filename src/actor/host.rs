@@ -1,0 +1,226 @@
+//! Where an actor lives and how it is reached: the control link (one-off calls, running a
+//! graph's schedule) and the loop that executes a schedule until its channels close.
+use super::method::{CallFailure, Op, TaskBuilder, find};
+use super::worker::ProcessLink;
+use super::{Actor, MethodEntry};
+use crate::channel::endpoint::ProcChannels;
+use crate::compile::plan::{GraphPlan, Loc, OpSpec};
+use crate::error::{Error, Result};
+use crate::value::Value;
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// How the driver reaches an actor.
+pub(crate) enum ActorLink {
+    Thread(ThreadLink),
+    Process(ProcessLink),
+}
+
+pub(crate) struct ThreadLink {
+    pub(crate) control: Sender<Control>,
+    pub(crate) thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for ThreadLink {
+    fn drop(&mut self) {
+        // Closing the control channel ends the host loop; joining is done by the thread
+        // itself exiting, so the last handle drop never blocks on a busy actor.
+        let _ = self.thread.lock().take();
+    }
+}
+
+/// A request to an actor's host thread.
+pub(crate) enum Control {
+    Call {
+        method: String,
+        args: Box<dyn Any + Send>,
+        reply: Sender<Result<Box<dyn Any + Send>, CallFailure>>,
+    },
+    Run(RunRequest),
+}
+
+/// Run a compiled graph's schedule until its channels close.
+pub(crate) struct RunRequest {
+    pub plan: Arc<GraphPlan>,
+    pub chans: Arc<ProcChannels>,
+    pub installed: Sender<Result<(), String>>,
+    pub done: Sender<String>,
+}
+
+pub(crate) fn call_failure(actor: &str, method: &str, failure: CallFailure) -> Error {
+    match failure {
+        CallFailure::Task(message) => Error::Task {
+            actor: actor.to_string(),
+            method: method.to_string(),
+            message,
+        },
+        CallFailure::NoSuchMethod => Error::Call {
+            actor: actor.to_string(),
+            method: method.to_string(),
+            message: "the actor has no such method; check the name against its #[actor] impl".into(),
+        },
+        CallFailure::BadArgs(message) => Error::Call {
+            actor: actor.to_string(),
+            method: method.to_string(),
+            message,
+        },
+    }
+}
+
+impl ActorLink {
+    pub(crate) fn call<Args: Value, R: Value>(&self, actor: &str, method: &str, args: Args) -> Result<R> {
+        match self {
+            ActorLink::Thread(link) => {
+                let (reply, rx) = crossbeam_channel::bounded(1);
+                let gone = || Error::Call {
+                    actor: actor.to_string(),
+                    method: method.to_string(),
+                    message: "the actor's thread has stopped".into(),
+                };
+                link.control
+                    .send(Control::Call {
+                        method: method.to_string(),
+                        args: Box::new(args),
+                        reply,
+                    })
+                    .map_err(|_| gone())?;
+                let value = rx
+                    .recv()
+                    .map_err(|_| gone())?
+                    .map_err(|f| call_failure(actor, method, f))?;
+                value.downcast::<R>().map(|b| *b).map_err(|_| Error::Call {
+                    actor: actor.to_string(),
+                    method: method.to_string(),
+                    message: format!("the method does not return {}", std::any::type_name::<R>()),
+                })
+            }
+            ActorLink::Process(link) => link.call::<Args, R>(actor, method, args),
+        }
+    }
+
+    pub(crate) fn kill(&self, actor: &str) -> Result<()> {
+        match self {
+            ActorLink::Thread(_) => Err(Error::Call {
+                actor: actor.to_string(),
+                method: "kill".into(),
+                message: "a thread actor cannot be killed; only process actors can".into(),
+            }),
+            ActorLink::Process(link) => link.kill(),
+        }
+    }
+
+    pub(crate) fn pid(&self) -> Option<u32> {
+        match self {
+            ActorLink::Thread(_) => None,
+            ActorLink::Process(link) => Some(link.pid()),
+        }
+    }
+}
+
+/// An actor with its type erased, as a host thread or worker process holds it.
+pub(crate) trait ErasedHost: Send {
+    fn call_any(&mut self, method: &str, args: Box<dyn Any + Send>) -> Result<Box<dyn Any + Send>, CallFailure>;
+    fn call_encoded(&mut self, method: &str, args: &[u8]) -> Result<Vec<u8>, CallFailure>;
+    /// Build this actor's schedule of `plan`, report it through `installed`, then run it
+    /// until a channel closes; returns why it stopped.
+    fn run_graph(&mut self, plan: &GraphPlan, chans: &ProcChannels, installed: &mut dyn FnMut(Result<(), String>)) -> String;
+}
+
+pub(crate) struct Host<A: Actor> {
+    pub actor: A,
+    pub id: u64,
+    pub name: String,
+}
+
+fn method<A: Actor>(name: &str) -> Result<&'static MethodEntry<A>, CallFailure> {
+    find(A::methods(), name).ok_or(CallFailure::NoSuchMethod)
+}
+
+impl<A: Actor> Host<A> {
+    fn build(&self, plan: &GraphPlan, chans: &ProcChannels) -> Result<Vec<Op<A>>, String> {
+        let me = Loc::Actor(self.id);
+        let Some(mine) = plan.actors.iter().find(|a| a.actor == self.id) else {
+            return Ok(Vec::new());
+        };
+        let mut b = TaskBuilder::new(plan, me, chans, self.name.clone());
+        let mut computes: HashMap<u64, Op<A>> = HashMap::new();
+        let missing = |m: &str| format!("actor {} has no method {m}", self.name);
+        for op in &mine.ops {
+            match op {
+                OpSpec::Compute { node, method: m, args } => {
+                    let entry = method::<A>(m).map_err(|_| missing(m))?;
+                    computes.insert(*node, entry.imp.build(&mut b, *node, args)?);
+                }
+                OpSpec::Split { node, source, method: m, index } => {
+                    let entry = method::<A>(m).map_err(|_| missing(m))?;
+                    computes.insert(*node, entry.imp.build_split(&mut b, *node, *source, *index)?);
+                }
+                OpSpec::Read { .. } | OpSpec::Write { .. } => {}
+            }
+        }
+        let mut ops = Vec::with_capacity(mine.ops.len());
+        for op in &mine.ops {
+            let built = match op {
+                OpSpec::Read { edge } => b.reads.remove(edge),
+                OpSpec::Write { edge } => b.writes.remove(edge),
+                OpSpec::Compute { node, .. } | OpSpec::Split { node, .. } => computes.remove(node),
+            };
+            ops.push(built.ok_or_else(|| format!("schedule of {}: {op:?} was not built", self.name))?);
+        }
+        Ok(ops)
+    }
+}
+
+impl<A: Actor> ErasedHost for Host<A> {
+    fn call_any(&mut self, name: &str, args: Box<dyn Any + Send>) -> Result<Box<dyn Any + Send>, CallFailure> {
+        method::<A>(name)?.imp.call_any(&mut self.actor, args)
+    }
+
+    fn call_encoded(&mut self, name: &str, args: &[u8]) -> Result<Vec<u8>, CallFailure> {
+        method::<A>(name)?.imp.call_encoded(&mut self.actor, args)
+    }
+
+    fn run_graph(&mut self, plan: &GraphPlan, chans: &ProcChannels, installed: &mut dyn FnMut(Result<(), String>)) -> String {
+        let mut ops = match self.build(plan, chans) {
+            Ok(ops) => ops,
+            Err(e) => {
+                installed(Err(e.clone()));
+                return e;
+            }
+        };
+        installed(Ok(()));
+        if ops.is_empty() {
+            return "empty schedule".into();
+        }
+        loop {
+            for op in ops.iter_mut() {
+                if let Err(e) = op(&mut self.actor) {
+                    return format!("{e:?}");
+                }
+            }
+        }
+    }
+}
+
+/// The loop of an actor's host thread: serve one-off calls and run graphs until every
+/// handle is gone.
+pub(crate) fn host_loop(mut host: Box<dyn ErasedHost>, control: Receiver<Control>) {
+    while let Ok(request) = control.recv() {
+        match request {
+            Control::Call { method, args, reply } => {
+                let _ = reply.send(host.call_any(&method, args));
+            }
+            Control::Run(run) => {
+                let installed = run.installed.clone();
+                let why = host.run_graph(&run.plan, &run.chans, &mut |r| {
+                    let _ = installed.send(r);
+                });
+                let _ = run.done.send(why);
+            }
+        }
+    }
+}

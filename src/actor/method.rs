@@ -1,0 +1,454 @@
+//! Method tables and the typed operations built from a schedule.
+//!
+//! `#[actor]` registers each method as a plain `fn(&mut A, Args) -> Result<R, String>`; the
+//! generic code here turns it into the operations of an actor's schedule. All type dispatch
+//! happens once, when the schedule is installed: the loop then runs boxed closures over
+//! typed slots and channels, with no lookup by name.
+use super::MethodSig;
+use crate::channel::endpoint::{ChanError, EdgeReader, EdgeWriter, Msg, ProcChannels, TaskError};
+use crate::compile::plan::{ArgSource, GraphPlan, Loc};
+use crate::value::{TypeTag, Value, decode, encode};
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::rc::Rc;
+use std::sync::Arc;
+
+/// One operation of an installed schedule.
+pub(crate) type Op<A> = Box<dyn FnMut(&mut A) -> Result<(), ChanError>>;
+
+/// Why a one-off call did not return a value.
+#[derive(Debug)]
+pub(crate) enum CallFailure {
+    NoSuchMethod,
+    BadArgs(String),
+    Task(String),
+}
+
+/// One exported method of an actor type.
+pub struct MethodEntry<A> {
+    pub(crate) name: &'static str,
+    pub(crate) arg_names: &'static [&'static str],
+    pub(crate) imp: Box<dyn ErasedMethod<A>>,
+}
+
+impl<A> MethodEntry<A> {
+    pub(crate) fn sig(&self) -> MethodSig {
+        self.imp.sig()
+    }
+}
+
+pub(crate) trait ErasedMethod<A>: Send + Sync {
+    fn sig(&self) -> MethodSig;
+    fn call_any(&self, actor: &mut A, args: Box<dyn Any + Send>) -> Result<Box<dyn Any + Send>, CallFailure>;
+    fn call_encoded(&self, actor: &mut A, args: &[u8]) -> Result<Vec<u8>, CallFailure>;
+    fn build(&self, b: &mut TaskBuilder<'_, A>, node: u64, args: &[ArgSource]) -> Result<Op<A>, String>;
+    fn build_split(&self, b: &mut TaskBuilder<'_, A>, node: u64, source: u64, index: usize) -> Result<Op<A>, String>;
+}
+
+struct Method<A, Args, R> {
+    name: &'static str,
+    f: fn(&mut A, Args) -> Result<R, String>,
+    split: Option<SplitFn<A>>,
+}
+
+type SplitFn<A> = fn(&mut TaskBuilder<'_, A>, u64, u64, usize) -> Result<Op<A>, String>;
+
+/// Register a method (used by `#[actor]`).
+pub fn method<A: 'static, Args: ArgTuple, R: Value>(
+    name: &'static str,
+    arg_names: &'static [&'static str],
+    f: fn(&mut A, Args) -> Result<R, String>,
+) -> MethodEntry<A> {
+    MethodEntry {
+        name,
+        arg_names,
+        imp: Box::new(Method { name, f, split: None }),
+    }
+}
+
+/// Register a method returning a tuple, whose elements the graph may split into nodes.
+pub fn method_split<A: 'static, Args: ArgTuple, R: SplitTuple>(
+    name: &'static str,
+    arg_names: &'static [&'static str],
+    f: fn(&mut A, Args) -> Result<R, String>,
+) -> MethodEntry<A> {
+    MethodEntry {
+        name,
+        arg_names,
+        imp: Box::new(Method {
+            name,
+            f,
+            split: Some(R::build_split::<A>),
+        }),
+    }
+}
+
+pub(crate) fn panic_text(payload: Box<dyn Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        format!("panicked: {s}")
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        format!("panicked: {s}")
+    } else {
+        "panicked".to_string()
+    }
+}
+
+impl<A: 'static, Args: ArgTuple, R: Value> Method<A, Args, R> {
+    fn invoke(&self, actor: &mut A, args: Args) -> Result<R, CallFailure> {
+        match catch_unwind(AssertUnwindSafe(|| (self.f)(actor, args))) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(CallFailure::Task(e)),
+            Err(p) => Err(CallFailure::Task(panic_text(p))),
+        }
+    }
+}
+
+impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R> {
+    fn sig(&self) -> MethodSig {
+        MethodSig {
+            args: Args::tags(),
+            ret: TypeTag::of::<R>(),
+        }
+    }
+
+    fn call_any(&self, actor: &mut A, args: Box<dyn Any + Send>) -> Result<Box<dyn Any + Send>, CallFailure> {
+        let args = args.downcast::<Args>().map_err(|_| {
+            CallFailure::BadArgs(format!("expected arguments {}", std::any::type_name::<Args>()))
+        })?;
+        self.invoke(actor, *args).map(|r| Box::new(r) as Box<dyn Any + Send>)
+    }
+
+    fn call_encoded(&self, actor: &mut A, args: &[u8]) -> Result<Vec<u8>, CallFailure> {
+        let args: Args = decode(args).map_err(|e| {
+            CallFailure::BadArgs(format!(
+                "cannot decode arguments {}: {e}",
+                std::any::type_name::<Args>()
+            ))
+        })?;
+        let r = self.invoke(actor, args)?;
+        encode(&r).map_err(|e| CallFailure::Task(format!("cannot encode the result: {e}")))
+    }
+
+    fn build(&self, b: &mut TaskBuilder<'_, A>, node: u64, args: &[ArgSource]) -> Result<Op<A>, String> {
+        let readers = Args::build(b, args)?;
+        let out = b.output::<R>(node, self.name)?;
+        let f = self.f;
+        let actor_name = b.actor_name.clone();
+        let method = self.name;
+        Ok(Box::new(move |actor: &mut A| {
+            let msg = match Args::read(&readers) {
+                Err(upstream) => Msg::Error(upstream),
+                Ok(args) => match catch_unwind(AssertUnwindSafe(|| f(actor, args))) {
+                    Ok(Ok(v)) => Msg::Value(v),
+                    Ok(Err(message)) => Msg::Error(Arc::new(TaskError {
+                        actor: actor_name.clone(),
+                        method: method.to_string(),
+                        message,
+                    })),
+                    Err(p) => Msg::Error(Arc::new(TaskError {
+                        actor: actor_name.clone(),
+                        method: method.to_string(),
+                        message: panic_text(p),
+                    })),
+                },
+            };
+            out.put(msg);
+            Ok(())
+        }))
+    }
+
+    fn build_split(&self, b: &mut TaskBuilder<'_, A>, node: u64, source: u64, index: usize) -> Result<Op<A>, String> {
+        match self.split {
+            Some(split) => split(b, node, source, index),
+            None => Err(format!(
+                "method {} does not return a tuple, so its result cannot be split",
+                self.name
+            )),
+        }
+    }
+}
+
+/// A value held by an actor between the operations of one execution. Its readers take it
+/// in turn: all but the last get a clone, the last gets the value itself.
+pub(crate) struct LocalSlot<T> {
+    value: RefCell<Option<Msg<T>>>,
+    uses: Cell<usize>,
+    left: Cell<usize>,
+    label: String,
+}
+
+impl<T: Clone> LocalSlot<T> {
+    fn new(label: String) -> Self {
+        LocalSlot {
+            value: RefCell::new(None),
+            uses: Cell::new(0),
+            left: Cell::new(0),
+            label,
+        }
+    }
+
+    fn add_use(&self) {
+        self.uses.set(self.uses.get() + 1);
+    }
+
+    pub(crate) fn put(&self, msg: Msg<T>) {
+        self.left.set(self.uses.get());
+        if self.uses.get() > 0 {
+            *self.value.borrow_mut() = Some(msg);
+        }
+    }
+
+    pub(crate) fn take(&self) -> Msg<T> {
+        let left = self.left.get();
+        assert!(left > 0, "schedule bug: slot {} read more often than planned", self.label);
+        self.left.set(left - 1);
+        let mut value = self.value.borrow_mut();
+        if left == 1 {
+            value.take()
+        } else {
+            value.clone()
+        }
+        .unwrap_or_else(|| panic!("schedule bug: slot {} read before it was written", self.label))
+    }
+}
+
+/// Where one argument of a compute operation comes from, once built.
+pub enum ArgReader<T> {
+    #[doc(hidden)]
+    Slot(Rc<LocalSlot<T>>),
+    #[doc(hidden)]
+    Const(T),
+}
+
+impl<T: Clone> ArgReader<T> {
+    fn get(&self) -> Msg<T> {
+        match self {
+            ArgReader::Slot(s) => s.take(),
+            ArgReader::Const(v) => Msg::Value(v.clone()),
+        }
+    }
+}
+
+/// The argument list of a method, as a tuple (implemented for `()` to 8-tuples).
+pub trait ArgTuple: Value {
+    #[doc(hidden)]
+    type Readers: 'static;
+    #[doc(hidden)]
+    fn tags() -> Vec<TypeTag>;
+    #[doc(hidden)]
+    #[allow(private_interfaces)]
+    fn build<A>(b: &mut TaskBuilder<'_, A>, args: &[ArgSource]) -> Result<Self::Readers, String>;
+    #[doc(hidden)]
+    #[allow(private_interfaces)]
+    fn read(readers: &Self::Readers) -> Result<Self, Arc<TaskError>>;
+}
+
+macro_rules! arg_tuple {
+    ($n:literal; $($t:ident $i:tt),*) => {
+        impl<$($t: Value),*> ArgTuple for ($($t,)*) {
+            type Readers = ($(ArgReader<$t>,)*);
+            fn tags() -> Vec<TypeTag> {
+                vec![$(TypeTag::of::<$t>()),*]
+            }
+            #[allow(private_interfaces)]
+            fn build<A>(b: &mut TaskBuilder<'_, A>, args: &[ArgSource]) -> Result<Self::Readers, String> {
+                if args.len() != $n {
+                    return Err(format!("expected {} arguments, the plan has {}", $n, args.len()));
+                }
+                let _ = &b;
+                Ok(($(b.arg::<$t>(&args[$i])?,)*))
+            }
+            #[allow(private_interfaces)]
+            fn read(readers: &Self::Readers) -> Result<Self, Arc<TaskError>> {
+                let _ = readers;
+                // Take every argument, even after an error, so every slot stays in step.
+                let msgs = ($(readers.$i.get(),)*);
+                let mut first_error: Option<Arc<TaskError>> = None;
+                let _ = &mut first_error;
+                $(let $t = match msgs.$i {
+                    Msg::Value(v) => Some(v),
+                    Msg::Error(e) => {
+                        first_error.get_or_insert(e);
+                        None
+                    }
+                };)*
+                if let Some(e) = first_error {
+                    return Err(e);
+                }
+                Ok(($($t.expect("checked above"),)*))
+            }
+        }
+    };
+}
+
+#[allow(non_snake_case)]
+mod arg_tuples {
+    use super::*;
+    arg_tuple!(0;);
+    arg_tuple!(1; T0 0);
+    arg_tuple!(2; T0 0, T1 1);
+    arg_tuple!(3; T0 0, T1 1, T2 2);
+    arg_tuple!(4; T0 0, T1 1, T2 2, T3 3);
+    arg_tuple!(5; T0 0, T1 1, T2 2, T3 3, T4 4);
+    arg_tuple!(6; T0 0, T1 1, T2 2, T3 3, T4 4, T5 5);
+    arg_tuple!(7; T0 0, T1 1, T2 2, T3 3, T4 4, T5 5, T6 6);
+    arg_tuple!(8; T0 0, T1 1, T2 2, T3 3, T4 4, T5 5, T6 6, T7 7);
+}
+
+/// A tuple result that a graph may split into one node per element.
+pub trait SplitTuple: Value {
+    #[doc(hidden)]
+    #[allow(private_interfaces)]
+    fn build_split<A>(b: &mut TaskBuilder<'_, A>, node: u64, source: u64, index: usize) -> Result<Op<A>, String>;
+}
+
+macro_rules! split_tuple {
+    ($($t:ident $i:tt),+) => {
+        impl<$($t: Value),+> SplitTuple for ($($t,)+) {
+            #[allow(private_interfaces)]
+            fn build_split<A>(b: &mut TaskBuilder<'_, A>, node: u64, source: u64, index: usize) -> Result<Op<A>, String> {
+                match index {
+                    $($i => b.split_op::<Self, $t>(node, source, |t: Self| t.$i),)+
+                    _ => Err(format!("tuple has no element {index}")),
+                }
+            }
+        }
+    };
+}
+split_tuple!(T0 0, T1 1);
+split_tuple!(T0 0, T1 1, T2 2);
+split_tuple!(T0 0, T1 1, T2 2, T3 3);
+split_tuple!(T0 0, T1 1, T2 2, T3 3, T4 4);
+split_tuple!(T0 0, T1 1, T2 2, T3 3, T4 4, T5 5);
+split_tuple!(T0 0, T1 1, T2 2, T3 3, T4 4, T5 5, T6 6);
+split_tuple!(T0 0, T1 1, T2 2, T3 3, T4 4, T5 5, T6 6, T7 7);
+
+/// Builds the typed operations of one actor's schedule.
+pub(crate) struct TaskBuilder<'a, A> {
+    pub(crate) plan: &'a GraphPlan,
+    pub(crate) me: Loc,
+    pub(crate) chans: &'a ProcChannels,
+    pub(crate) actor_name: String,
+    slots: HashMap<u64, Rc<dyn Any>>,
+    pub(crate) reads: HashMap<u64, Op<A>>,
+    pub(crate) writes: HashMap<u64, Op<A>>,
+}
+
+impl<'a, A> TaskBuilder<'a, A> {
+    pub(crate) fn new(plan: &'a GraphPlan, me: Loc, chans: &'a ProcChannels, actor_name: String) -> Self {
+        TaskBuilder {
+            plan,
+            me,
+            chans,
+            actor_name,
+            slots: HashMap::new(),
+            reads: HashMap::new(),
+            writes: HashMap::new(),
+        }
+    }
+
+    fn slot<T: Value>(&mut self, edge: u64) -> Result<Option<Rc<LocalSlot<T>>>, String> {
+        match self.slots.get(&edge) {
+            None => Ok(None),
+            Some(s) => s.clone().downcast::<LocalSlot<T>>().map(Some).map_err(|_| {
+                format!(
+                    "edge {edge} carries another type than {}",
+                    std::any::type_name::<T>()
+                )
+            }),
+        }
+    }
+
+    fn arg<T: Value>(&mut self, src: &ArgSource) -> Result<ArgReader<T>, String> {
+        let edge = match src {
+            ArgSource::Const(bytes) => {
+                return decode::<T>(bytes).map(ArgReader::Const).map_err(|e| {
+                    format!(
+                        "cannot decode a constant argument of type {}: {e}",
+                        std::any::type_name::<T>()
+                    )
+                });
+            }
+            ArgSource::Edge(edge) => *edge,
+        };
+        let slot = self.read_slot::<T>(edge)?;
+        slot.add_use();
+        Ok(ArgReader::Slot(slot))
+    }
+
+    /// The slot holding an upstream edge's value, with the read operation that fills it.
+    fn read_slot<T: Value>(&mut self, edge: u64) -> Result<Rc<LocalSlot<T>>, String> {
+        if let Some(slot) = self.slot::<T>(edge)? {
+            return Ok(slot);
+        }
+        let plan = self.plan.edge(edge)?;
+        let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
+        let mut reader: EdgeReader<T> = self.chans.reader(self.plan, edge, self.me)?;
+        let fill = slot.clone();
+        self.reads.insert(
+            edge,
+            Box::new(move |_: &mut A| {
+                fill.put(reader.read(None)?);
+                Ok(())
+            }),
+        );
+        self.slots.insert(edge, slot.clone());
+        Ok(slot)
+    }
+
+    /// The slot a compute operation writes, with the write operation that sends it on.
+    fn output<T: Value>(&mut self, edge: u64, method: &'static str) -> Result<Rc<LocalSlot<T>>, String> {
+        let plan = self.plan.edge(edge)?;
+        let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
+        if plan.has_channel() {
+            let mut writer: EdgeWriter<T> = self.chans.writer(self.plan, edge, self.me)?;
+            slot.add_use();
+            let take = slot.clone();
+            let actor = self.actor_name.clone();
+            let label = plan.label.clone();
+            self.writes.insert(
+                edge,
+                Box::new(move |_: &mut A| {
+                    let msg = take.take();
+                    match writer.write(msg, None) {
+                        Err(ChanError::TooLarge { size, limit }) => {
+                            // The value cannot travel; its readers get an error instead.
+                            let error = Msg::Error(Arc::new(TaskError {
+                                actor: actor.clone(),
+                                method: method.to_string(),
+                                message: format!(
+                                    "the output of {label} is {size} bytes, over the ceiling of {limit} bytes; raise CompileOptions::max_message_bytes"
+                                ),
+                            }));
+                            writer.write(error, None)
+                        }
+                        other => other,
+                    }
+                }),
+            );
+        }
+        self.slots.insert(edge, slot.clone());
+        Ok(slot)
+    }
+
+    fn split_op<S: Value, T: Value>(&mut self, node: u64, source: u64, pick: fn(S) -> T) -> Result<Op<A>, String> {
+        let input = self
+            .slot::<S>(source)?
+            .ok_or_else(|| format!("split of edge {source} before its value exists"))?;
+        input.add_use();
+        let out = self.output::<T>(node, "split")?;
+        Ok(Box::new(move |_: &mut A| {
+            out.put(match input.take() {
+                Msg::Value(v) => Msg::Value(pick(v)),
+                Msg::Error(e) => Msg::Error(e),
+            });
+            Ok(())
+        }))
+    }
+}
+
+pub(crate) fn find<'m, A>(methods: &'m [MethodEntry<A>], name: &str) -> Option<&'m MethodEntry<A>> {
+    methods.iter().find(|m| m.name == name)
+}

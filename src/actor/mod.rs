@@ -1,0 +1,237 @@
+//! Actors: the trait `#[actor]` implements, handles, one-off calls, and where actors live
+//! (a thread of the driver's process or a worker process of their own).
+use crate::dag::{AnyNode, ErasedArg, Node, method_node};
+use crate::error::{Error, Result};
+use crate::value::{TypeTag, Value};
+use parking_lot::Mutex;
+use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub(crate) mod host;
+pub(crate) mod method;
+pub(crate) mod registry;
+mod runtime;
+pub(crate) mod worker;
+
+pub use method::{ArgTuple, MethodEntry, SplitTuple};
+pub use registry::ActorTypeEntry;
+pub use runtime::{Placement, Runtime};
+
+/// A stateful actor whose methods can be bound into compiled graphs.
+///
+/// Implemented by `#[adag::actor]` on an `impl` block; not meant to be written by hand.
+pub trait Actor: Sized + Send + 'static {
+    /// The arguments of the actor's `new` (`()` without one).
+    type Init: Value;
+    /// Typed binding methods, reached through [`ActorHandle`]'s `Deref`.
+    type Binder: FromHandleCore;
+    /// Typed one-off calls, reached through [`ActorHandle::call`].
+    type Caller: FromHandleCore;
+    /// The type's registered name (module path and type name).
+    fn type_name() -> &'static str;
+    /// Build the actor from its init arguments.
+    fn construct(init: Self::Init) -> std::result::Result<Self, String>;
+    /// The exported methods.
+    fn methods() -> &'static [MethodEntry<Self>];
+}
+
+/// Built by generated binder and caller types from the untyped handle.
+pub trait FromHandleCore: Send + Sync + 'static {
+    /// Wrap the handle.
+    fn from_core(core: HandleCore) -> Self;
+}
+
+/// The signature of an exported method, as the compiler checks it.
+#[derive(Debug, Clone)]
+pub(crate) struct MethodSig {
+    pub args: Vec<TypeTag>,
+    pub ret: TypeTag,
+}
+
+static NEXT_ACTOR_ID: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) fn next_actor_id() -> u64 {
+    NEXT_ACTOR_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The untyped handle of an actor (what nodes and graphs hold).
+#[derive(Clone)]
+pub struct HandleCore(pub(crate) Arc<ActorShared>);
+
+pub(crate) struct ActorShared {
+    pub id: u64,
+    pub name: String,
+    pub type_name: &'static str,
+    pub signature: fn(&str) -> Option<MethodSig>,
+    pub method_names: fn() -> Vec<&'static str>,
+    pub link: host::ActorLink,
+    /// The live compiled graph this actor belongs to.
+    pub live_graph: Mutex<Option<u64>>,
+}
+
+impl fmt::Debug for HandleCore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Actor({})", self.0.name)
+    }
+}
+
+impl HandleCore {
+    /// The actor's name, as errors show it.
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    /// The actor's unique id.
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+
+    /// 0 for actors in the driver's process, else the actor's own process number.
+    pub(crate) fn process(&self) -> u64 {
+        match &self.0.link {
+            host::ActorLink::Thread(_) => 0,
+            host::ActorLink::Process(_) => self.0.id,
+        }
+    }
+
+    pub(crate) fn same(&self, other: &HandleCore) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// Bind a method into a graph (used by generated code).
+    pub fn bind<R: Value>(&self, method: &str, args: Vec<ErasedArg>) -> Node<R> {
+        Node::from_inner(method_node(self.clone(), method, args, TypeTag::of::<R>()))
+    }
+
+    /// One-off call outside any graph (used by generated code): the slow path.
+    pub fn call<Args: Value, R: Value>(&self, method: &str, args: Args) -> Result<R> {
+        if let Some(graph) = *self.0.live_graph.lock() {
+            return Err(Error::ActorBusy {
+                actor: self.0.name.clone(),
+                graph,
+            });
+        }
+        self.0.link.call::<Args, R>(&self.0.name, method, args)
+    }
+
+    /// A method by name, for dynamic binding; its types are checked when the graph compiles.
+    pub fn method(&self, name: &str) -> DynMethod {
+        DynMethod {
+            actor: self.clone(),
+            name: name.to_string(),
+        }
+    }
+}
+
+/// A method looked up by name (Ray's `actor.method.bind(..)` from tools and other languages).
+pub struct DynMethod {
+    actor: HandleCore,
+    name: String,
+}
+
+impl DynMethod {
+    /// Bind the method to arguments. Missing methods and mismatched types are reported by
+    /// `compile`, naming the node.
+    pub fn bind(&self, args: impl IntoIterator<Item = ErasedArg>) -> AnyNode {
+        let ret = (self.actor.0.signature)(&self.name)
+            .map(|s| s.ret)
+            .unwrap_or(TypeTag::of::<UnknownMethod>());
+        AnyNode {
+            inner: method_node(self.actor.clone(), &self.name, args.into_iter().collect(), ret),
+        }
+    }
+}
+
+/// The value type of a node bound to a method that does not exist.
+pub(crate) enum UnknownMethod {}
+
+/// A typed handle of a spawned actor. Derefs to the generated binder, so
+/// `handle.forward(x)` binds `forward` into a graph; `handle.call().forward(x)` calls it once.
+pub struct ActorHandle<A: Actor> {
+    core: HandleCore,
+    binder: A::Binder,
+    caller: A::Caller,
+}
+
+impl<A: Actor> Clone for ActorHandle<A> {
+    fn clone(&self) -> Self {
+        ActorHandle::from_core(self.core.clone())
+    }
+}
+
+impl<A: Actor> fmt::Debug for ActorHandle<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ActorHandle({})", self.core.0.name)
+    }
+}
+
+impl<A: Actor> ActorHandle<A> {
+    pub(crate) fn from_core(core: HandleCore) -> Self {
+        ActorHandle {
+            binder: A::Binder::from_core(core.clone()),
+            caller: A::Caller::from_core(core.clone()),
+            core,
+        }
+    }
+
+    /// Typed one-off calls (the slow path, for setup and inspection).
+    pub fn call(&self) -> &A::Caller {
+        &self.caller
+    }
+
+    /// The untyped handle.
+    pub fn core(&self) -> &HandleCore {
+        &self.core
+    }
+
+    /// The actor's name.
+    pub fn name(&self) -> &str {
+        &self.core.0.name
+    }
+
+    /// The actor's id.
+    pub fn id(&self) -> u64 {
+        self.core.0.id
+    }
+
+    /// A method by name, for dynamic binding.
+    pub fn method(&self, name: &str) -> DynMethod {
+        self.core.method(name)
+    }
+
+    /// Kill the actor's worker process at once (SIGKILL); for thread actors, an error.
+    pub fn kill(&self) -> Result<()> {
+        self.core.0.link.kill(&self.core.0.name)
+    }
+
+    /// The worker's process id, for process actors.
+    pub fn pid(&self) -> Option<u32> {
+        self.core.0.link.pid()
+    }
+}
+
+impl<A: Actor> Deref for ActorHandle<A> {
+    type Target = A::Binder;
+    fn deref(&self) -> &A::Binder {
+        &self.binder
+    }
+}
+
+thread_local! {
+    static ACTOR_RUNTIME: std::cell::OnceCell<tokio::runtime::Runtime> = const { std::cell::OnceCell::new() };
+}
+
+/// Run an async method on the calling actor's own single-threaded tokio runtime.
+pub(crate) fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    ACTOR_RUNTIME.with(|cell| {
+        cell.get_or_init(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("cannot build the actor's tokio runtime")
+        })
+        .block_on(f)
+    })
+}

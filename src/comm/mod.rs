@@ -1,0 +1,3 @@
+//! Communicators (placeholder until the communicator module lands).
+/// A group communicator for tensors.
+pub trait Communicator: Send + Sync + std::fmt::Debug {}

@@ -1,0 +1,322 @@
+//! Compilation: validate a graph, plan one channel per edge and one schedule per actor.
+use crate::actor::HandleCore;
+use crate::dag::{ArgInner, DagInner, InputKind, NodeInner, NodeKind};
+use crate::error::{Error, Result};
+use plan::{ActorPlan, ArgSource, EdgePlan, GraphPlan, Loc, OpSpec, ShmEdge};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
+
+mod options;
+pub(crate) mod plan;
+pub use options::{CompileOptions, DefaultCommunicator};
+pub(crate) use options::deadline_after;
+
+/// A validated graph with its plan.
+pub(crate) struct Planned {
+    pub plan: GraphPlan,
+    /// Every reached node by id.
+    pub nodes: BTreeMap<u64, Arc<NodeInner>>,
+    /// The distinct actors, in first-use order.
+    pub actors: Vec<HandleCore>,
+}
+
+fn loc_of(node: &NodeInner) -> Loc {
+    node.actor().map_or(Loc::Driver, |a| Loc::Actor(a.id()))
+}
+
+fn method_label(node: &NodeInner) -> String {
+    node.describe()
+}
+
+/// Validate the graph reached from `outputs` and plan it. Claims every actor for the graph;
+/// the caller releases them if anything later fails.
+pub(crate) fn plan(dag: &Arc<DagInner>, outputs: &[Arc<NodeInner>], depth: usize, graph: u64) -> Result<Planned> {
+    if outputs.is_empty() {
+        return Err(Error::compile("outputs", "no output was given; pass a node, a tuple or a Vec of nodes"));
+    }
+    if depth == 0 {
+        return Err(Error::compile("options", "max_inflight_executions must be at least 1"));
+    }
+    // Every node reachable from the outputs.
+    let mut nodes: BTreeMap<u64, Arc<NodeInner>> = BTreeMap::new();
+    let mut stack: Vec<Arc<NodeInner>> = outputs.to_vec();
+    while let Some(n) = stack.pop() {
+        if nodes.contains_key(&n.id) {
+            continue;
+        }
+        stack.extend(n.upstream().into_iter().cloned());
+        nodes.insert(n.id, n);
+    }
+    for n in nodes.values() {
+        check_node(dag, n)?;
+    }
+    let input = dag.input.lock().clone();
+    let Some(_) = input else {
+        return Err(Error::compile("input", "the graph has no input node; call dag.input() and bind it to a task"));
+    };
+    for out in outputs {
+        if let NodeKind::Input(_) = out.kind {
+            return Err(Error::compile(
+                out.describe(),
+                "an output is the graph's input itself, which no actor computes; pass it through an actor method",
+            ));
+        }
+    }
+    if !nodes.values().any(|n| matches!(n.kind, NodeKind::Input(_))) {
+        return Err(Error::compile("input", "the input node is not used by any task; bind it (or its parts) to a task"));
+    }
+    // Nodes created in this graph that no output depends on (Ray's leaf nodes).
+    for weak in dag.nodes.lock().iter() {
+        let Some(n) = weak.upgrade() else { continue };
+        if nodes.contains_key(&n.id) {
+            continue;
+        }
+        match &n.kind {
+            NodeKind::Input(InputKind::Whole) => {}
+            NodeKind::Input(_) => {
+                return Err(Error::compile(
+                    n.describe(),
+                    "this input part is never used; bind it to a task, or drop it before compiling",
+                ));
+            }
+            _ => {
+                return Err(Error::compile(
+                    n.describe(),
+                    "no output depends on this node; add it to the outputs (a tuple or Vec of nodes), or drop it before compiling",
+                ));
+            }
+        }
+    }
+    let actors = claim_actors(&nodes, graph)?;
+    let result = build_plan(&nodes, outputs, depth, graph);
+    match result {
+        Ok(plan) => Ok(Planned { plan, nodes, actors }),
+        Err(e) => {
+            release_actors(&actors, graph);
+            Err(e)
+        }
+    }
+}
+
+fn check_node(dag: &Arc<DagInner>, n: &Arc<NodeInner>) -> Result<()> {
+    if let NodeKind::Method { actor, method, args } = &n.kind {
+        if !args.iter().any(|a| matches!(a.0, ArgInner::Node(_))) {
+            return Err(Error::compile(
+                n.describe(),
+                "this task does not depend on the graph's input; bind at least one argument to the input or to a node that reads it",
+            ));
+        }
+        let Some(sig) = (actor.0.signature)(method) else {
+            return Err(Error::compile(
+                n.describe(),
+                format!(
+                    "actor {} has no method `{method}`; its methods are: {}",
+                    actor.name(),
+                    (actor.0.method_names)().join(", ")
+                ),
+            ));
+        };
+        if sig.args.len() != args.len() {
+            return Err(Error::compile(
+                n.describe(),
+                format!(
+                    "`{method}` takes {} arguments but {} were bound",
+                    sig.args.len(),
+                    args.len()
+                ),
+            ));
+        }
+        for (i, (want, arg)) in sig.args.iter().zip(args).enumerate() {
+            let have = arg.type_tag();
+            if *want != have {
+                let from = match &arg.0 {
+                    ArgInner::Node(up) => format!("node {}", up.describe()),
+                    ArgInner::Const(_) => "a constant".to_string(),
+                };
+                return Err(Error::compile(
+                    n.describe(),
+                    format!(
+                        "argument {i} of `{method}` has type {} but {from} gives {}; bind a value of the right type",
+                        want.name(),
+                        have.name()
+                    ),
+                ));
+            }
+        }
+        if sig.ret != n.ty {
+            return Err(Error::compile(
+                n.describe(),
+                format!("`{method}` returns {} but the node was typed {}", sig.ret.name(), n.ty.name()),
+            ));
+        }
+        for a in args {
+            if let ArgInner::Const(c) = &a.0
+                && let Err(e) = &c.bytes
+            {
+                return Err(Error::compile(n.describe(), format!("a constant argument cannot be encoded: {e}")));
+            }
+        }
+    }
+    if let Some(other) = n.foreign {
+        return Err(Error::compile(
+            n.describe(),
+            format!("this node mixes nodes of graph #{} and graph #{other}; build each graph from its own input", dag.id),
+        ));
+    }
+    match &n.dag {
+        Some(d) if d.id == dag.id => Ok(()),
+        Some(d) => Err(Error::compile(
+            n.describe(),
+            format!("this node belongs to graph #{}, not to graph #{} being compiled; compile it with its own Dag", d.id, dag.id),
+        )),
+        None => Err(Error::compile(n.describe(), "this node belongs to no graph")),
+    }
+}
+
+fn claim_actors(nodes: &BTreeMap<u64, Arc<NodeInner>>, graph: u64) -> Result<Vec<HandleCore>> {
+    let mut actors: Vec<HandleCore> = Vec::new();
+    for n in nodes.values() {
+        if let NodeKind::Method { actor, .. } = &n.kind
+            && !actors.iter().any(|a| a.same(actor))
+        {
+            let mut live = actor.0.live_graph.lock();
+            if let Some(other) = *live {
+                drop(live);
+                release_actors(&actors, graph);
+                return Err(Error::compile(
+                    n.describe(),
+                    format!(
+                        "actor {} is already part of live compiled graph #{other}; tear that graph down first (an actor serves one compiled graph at a time)",
+                        actor.name()
+                    ),
+                ));
+            }
+            *live = Some(graph);
+            actors.push(actor.clone());
+        }
+    }
+    Ok(actors)
+}
+
+pub(crate) fn release_actors(actors: &[HandleCore], graph: u64) {
+    for a in actors {
+        let mut live = a.0.live_graph.lock();
+        if *live == Some(graph) {
+            *live = None;
+        }
+    }
+}
+
+fn process_of(loc: Loc, actors: &BTreeMap<u64, HandleCore>) -> u64 {
+    match loc {
+        Loc::Driver => 0,
+        Loc::Actor(id) => actors.get(&id).map_or(0, |a| a.process()),
+    }
+}
+
+fn build_plan(nodes: &BTreeMap<u64, Arc<NodeInner>>, outputs: &[Arc<NodeInner>], depth: usize, graph: u64) -> Result<GraphPlan> {
+    let actors: BTreeMap<u64, HandleCore> = nodes
+        .values()
+        .filter_map(|n| n.actor().map(|a| (a.id(), a.clone())))
+        .collect();
+    // Readers of each edge.
+    let mut readers: BTreeMap<u64, BTreeSet<Loc>> = nodes.keys().map(|id| (*id, BTreeSet::new())).collect();
+    for n in nodes.values() {
+        for up in n.upstream() {
+            readers.entry(up.id).or_default().insert(loc_of(n));
+        }
+    }
+    for out in outputs {
+        readers.entry(out.id).or_default().insert(Loc::Driver);
+    }
+    let mut edges = BTreeMap::new();
+    for (id, n) in nodes {
+        let writer = loc_of(n);
+        let wproc = process_of(writer, &actors);
+        let mut local_readers = Vec::new();
+        let mut remote = Vec::new();
+        let mut same_actor = false;
+        for r in &readers[id] {
+            if *r == writer {
+                same_actor = true;
+            } else if process_of(*r, &actors) == wproc {
+                local_readers.push(*r);
+            } else {
+                remote.push(*r);
+            }
+        }
+        edges.insert(
+            *id,
+            EdgePlan {
+                id: *id,
+                label: method_label(n),
+                ty: n.ty.name().to_string(),
+                writer,
+                local_readers,
+                shm: (!remote.is_empty()).then_some(ShmEdge {
+                    chan: *id,
+                    readers: remote,
+                }),
+                same_actor,
+            },
+        );
+    }
+    // One schedule per actor, in bind order.
+    let mut schedules: BTreeMap<u64, (String, Vec<OpSpec>, HashSet<u64>)> = BTreeMap::new();
+    for (id, n) in nodes {
+        let Some(actor) = n.actor() else { continue };
+        let me = Loc::Actor(actor.id());
+        let (_, ops, read) = schedules
+            .entry(actor.id())
+            .or_insert_with(|| (actor.name().to_string(), Vec::new(), HashSet::new()));
+        for up in n.upstream() {
+            if edges[&up.id].writer != me && read.insert(up.id) {
+                ops.push(OpSpec::Read { edge: up.id });
+            }
+        }
+        match &n.kind {
+            NodeKind::Method { method, args, .. } => ops.push(OpSpec::Compute {
+                node: *id,
+                method: method.clone(),
+                args: args
+                    .iter()
+                    .map(|a| match &a.0 {
+                        ArgInner::Node(up) => ArgSource::Edge(up.id),
+                        ArgInner::Const(c) => ArgSource::Const(c.bytes.as_deref().unwrap_or_default().to_vec()),
+                    })
+                    .collect(),
+            }),
+            NodeKind::Split { source, index } => {
+                let NodeKind::Method { method, .. } = &source.kind else {
+                    return Err(Error::compile(n.describe(), "only the result of a method can be split"));
+                };
+                ops.push(OpSpec::Split {
+                    node: *id,
+                    source: source.id,
+                    method: method.clone(),
+                    index: *index,
+                })
+            }
+            NodeKind::Input(_) => {}
+        }
+        if edges[id].has_channel() {
+            ops.push(OpSpec::Write { edge: *id });
+        }
+    }
+    let inputs = nodes
+        .values()
+        .filter(|n| matches!(n.kind, NodeKind::Input(_)))
+        .map(|n| n.id)
+        .collect();
+    Ok(GraphPlan {
+        graph,
+        depth,
+        edges,
+        actors: schedules
+            .into_iter()
+            .map(|(actor, (name, ops, _))| ActorPlan { actor, name, ops })
+            .collect(),
+        inputs,
+        outputs: outputs.iter().map(|o| o.id).collect(),
+    })
+}

@@ -1,0 +1,131 @@
+//! The options of compilation, with Ray's defaults.
+use std::time::Duration;
+
+/// Which communicator serves tensor edges and collectives that name none of their own
+/// (Ray's `_default_communicator`).
+#[derive(Clone, Default)]
+pub enum DefaultCommunicator {
+    /// Make one per set of actors, reusing one already made for the same set (collectives)
+    /// or a superset (point-to-point edges).
+    #[default]
+    Create,
+    /// Make none: an edge or collective without its own communicator is a compile error.
+    None,
+    /// Use this communicator for everything that names none.
+    Custom(std::sync::Arc<dyn crate::comm::Communicator>),
+}
+
+impl std::fmt::Debug for DefaultCommunicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DefaultCommunicator::Create => f.write_str("Create"),
+            DefaultCommunicator::None => f.write_str("None"),
+            DefaultCommunicator::Custom(c) => write!(f, "Custom({c:?})"),
+        }
+    }
+}
+
+/// The options of [`Dag::compile`](crate::Dag::compile). Every option of Ray's
+/// `experimental_compile` has a field here; the defaults are Ray's.
+///
+/// ```
+/// use adag::CompileOptions;
+/// use std::time::Duration;
+/// let opts = CompileOptions::default()
+///     .max_inflight_executions(4)
+///     .submit_timeout(Duration::from_secs(1));
+/// assert_eq!(opts.max_inflight_executions, 4);
+/// assert_eq!(opts.buffer_size_bytes, 1_000_000);
+/// ```
+#[derive(Clone, Debug)]
+pub struct CompileOptions {
+    /// Longest time `execute` may block for room in an input channel (default 10 s).
+    /// `Duration::ZERO` fails at once; `Duration::MAX` waits for ever.
+    pub submit_timeout: Duration,
+    /// Default deadline of `get` (default 10 s; `get_timeout` overrides it per call).
+    pub get_timeout: Duration,
+    /// Initial capacity of each channel slot in bytes (default 1 MB); larger messages grow
+    /// the channel automatically up to `max_message_bytes`.
+    pub buffer_size_bytes: usize,
+    /// Hard ceiling of one message (default 1 GiB): larger ones fail with
+    /// [`Error::MessageTooLarge`](crate::Error::MessageTooLarge).
+    pub max_message_bytes: usize,
+    /// Drive the graph from async code (`execute_async`).
+    pub enable_asyncio: bool,
+    /// Executions submitted but not yet read (default 10); sizes every channel ring.
+    pub max_inflight_executions: usize,
+    /// Results read but not yet claimed by their ref (default 1000).
+    pub max_buffered_results: usize,
+    /// Overlap communication of one execution with compute of the next.
+    pub overlap_gpu_communication: bool,
+    /// The communicator for tensor edges and collectives that name none.
+    pub default_communicator: DefaultCommunicator,
+    /// How long a waiting thread spins before it sleeps (default 50 µs).
+    pub spin: Duration,
+    /// How long teardown waits for each actor's loop to stop (default 5 s); a worker process
+    /// still running then is killed.
+    pub teardown_timeout: Duration,
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions {
+            submit_timeout: Duration::from_secs(10),
+            get_timeout: Duration::from_secs(10),
+            buffer_size_bytes: 1_000_000,
+            max_message_bytes: 1 << 30,
+            enable_asyncio: false,
+            max_inflight_executions: 10,
+            max_buffered_results: 1000,
+            overlap_gpu_communication: false,
+            default_communicator: DefaultCommunicator::Create,
+            spin: Duration::from_micros(50),
+            teardown_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident: $ty:ty),* $(,)?) => {
+        impl CompileOptions {
+            $($(#[$doc])* pub fn $name(mut self, value: $ty) -> Self {
+                self.$name = value;
+                self
+            })*
+        }
+    };
+}
+
+setters! {
+    /// Set [`CompileOptions::submit_timeout`].
+    submit_timeout: Duration,
+    /// Set [`CompileOptions::get_timeout`].
+    get_timeout: Duration,
+    /// Set [`CompileOptions::buffer_size_bytes`].
+    buffer_size_bytes: usize,
+    /// Set [`CompileOptions::max_message_bytes`].
+    max_message_bytes: usize,
+    /// Set [`CompileOptions::enable_asyncio`].
+    enable_asyncio: bool,
+    /// Set [`CompileOptions::max_inflight_executions`].
+    max_inflight_executions: usize,
+    /// Set [`CompileOptions::max_buffered_results`].
+    max_buffered_results: usize,
+    /// Set [`CompileOptions::overlap_gpu_communication`].
+    overlap_gpu_communication: bool,
+    /// Set [`CompileOptions::default_communicator`].
+    default_communicator: DefaultCommunicator,
+    /// Set [`CompileOptions::spin`].
+    spin: Duration,
+    /// Set [`CompileOptions::teardown_timeout`].
+    teardown_timeout: Duration,
+}
+
+/// A deadline `d` from now, where `Duration::MAX` (or an overflow) means none.
+pub(crate) fn deadline_after(d: std::time::Duration) -> Option<std::time::Instant> {
+    if d == Duration::MAX {
+        None
+    } else {
+        std::time::Instant::now().checked_add(d)
+    }
+}

@@ -1,0 +1,97 @@
+//! The plan of a compiled graph: one channel per edge, chosen by where writer and readers
+//! live, and one schedule of operations per actor. Plans are plain data so that they can be
+//! sent to worker processes.
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Where an endpoint lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub(crate) enum Loc {
+    Driver,
+    Actor(u64),
+}
+
+/// One edge: the output of one node, written by one endpoint and read by several.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct EdgePlan {
+    pub id: u64,
+    /// The producing node as errors name it.
+    pub label: String,
+    pub ty: String,
+    pub writer: Loc,
+    /// Other endpoints in the writer's process: one in-memory ring each, no serialization.
+    pub local_readers: Vec<Loc>,
+    /// Endpoints in other processes: one shared-memory ring for all of them.
+    pub shm: Option<ShmEdge>,
+    /// The writing actor itself reads the value (a slot, no channel).
+    pub same_actor: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct ShmEdge {
+    pub chan: u64,
+    pub readers: Vec<Loc>,
+}
+
+impl EdgePlan {
+    pub(crate) fn has_channel(&self) -> bool {
+        !self.local_readers.is_empty() || self.shm.is_some()
+    }
+}
+
+/// Where one argument of a task comes from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum ArgSource {
+    Edge(u64),
+    Const(Vec<u8>),
+}
+
+/// One operation of an actor's schedule.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum OpSpec {
+    /// Read one execution's value of an edge from its channel into the actor's slot.
+    Read { edge: u64 },
+    /// Run a method on values in slots; the result goes to the slot of edge `node`.
+    Compute {
+        node: u64,
+        method: String,
+        args: Vec<ArgSource>,
+    },
+    /// Take element `index` of the tuple in `source`'s slot into the slot of edge `node`.
+    Split {
+        node: u64,
+        source: u64,
+        method: String,
+        index: usize,
+    },
+    /// Write the slot of an edge to its channels.
+    Write { edge: u64 },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct ActorPlan {
+    pub actor: u64,
+    pub name: String,
+    pub ops: Vec<OpSpec>,
+}
+
+/// Everything an endpoint needs to build its part of a compiled graph.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct GraphPlan {
+    pub graph: u64,
+    pub depth: usize,
+    pub edges: BTreeMap<u64, EdgePlan>,
+    pub actors: Vec<ActorPlan>,
+    /// Input edges in the order the driver writes them.
+    pub inputs: Vec<u64>,
+    /// Output edges in the user's order (an edge may appear twice).
+    pub outputs: Vec<u64>,
+}
+
+impl GraphPlan {
+    pub(crate) fn edge(&self, id: u64) -> Result<&EdgePlan, String> {
+        self.edges
+            .get(&id)
+            .ok_or_else(|| format!("edge {id} is not part of graph #{}", self.graph))
+    }
+}
