@@ -32,3 +32,41 @@ fn chain_of_two() {
     println!("{}", g.visualize());
     g.teardown().unwrap();
 }
+
+#[test]
+fn process_chain() {
+    let rt = Runtime::new().unwrap();
+    let a = rt.spawn::<Adder>(Placement::Process, 1).unwrap();
+    let b = rt.spawn::<Adder>(Placement::Process, 10).unwrap();
+    let c = rt.spawn::<Adder>(Placement::Thread, 100).unwrap();
+    assert_eq!(a.call().add(1).unwrap(), 2);
+    let dag = Dag::<u64>::new();
+    let out = c.add(b.add(a.add(dag.input())));
+    let g = dag.compile(out, CompileOptions::default()).unwrap();
+    let t = std::time::Instant::now();
+    for i in 0..10000 {
+        assert_eq!(g.execute(i).unwrap().get().unwrap(), i + 111);
+    }
+    println!("10000 in {:?}", t.elapsed());
+    g.teardown().unwrap();
+    assert_eq!(a.call().add(1).unwrap(), 2);
+    let pid = a.pid().unwrap();
+    drop((g, out, dag, a));
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists());
+}
+
+#[test]
+fn process_death() {
+    let rt = Runtime::new().unwrap();
+    let a = rt.spawn::<Adder>(Placement::Process, 1).unwrap();
+    let dag = Dag::<u64>::new();
+    let out = a.add(dag.input());
+    let g = dag.compile(out, CompileOptions::default()).unwrap();
+    assert_eq!(g.execute(1).unwrap().get().unwrap(), 2);
+    a.kill().unwrap();
+    let t = std::time::Instant::now();
+    let e = g.execute(1).and_then(|r| r.get());
+    println!("{e:?} after {:?}", t.elapsed());
+    assert!(matches!(e, Err(adag::Error::ActorDied { .. })));
+}

@@ -40,6 +40,11 @@ pub(crate) enum Control {
         args: Box<dyn Any + Send>,
         reply: Sender<Result<Box<dyn Any + Send>, CallFailure>>,
     },
+    CallEncoded {
+        method: String,
+        args: Vec<u8>,
+        reply: Sender<Result<Vec<u8>, CallFailure>>,
+    },
     Run(RunRequest),
 }
 
@@ -213,6 +218,9 @@ pub(crate) fn host_loop(mut host: Box<dyn ErasedHost>, control: Receiver<Control
         match request {
             Control::Call { method, args, reply } => {
                 let _ = reply.send(host.call_any(&method, args));
+            }
+            Control::CallEncoded { method, args, reply } => {
+                let _ = reply.send(host.call_encoded(&method, &args));
             }
             Control::Run(run) => {
                 let installed = run.installed.clone();

@@ -13,6 +13,7 @@ pub(crate) mod host;
 pub(crate) mod method;
 pub(crate) mod registry;
 mod runtime;
+pub(crate) mod wire;
 pub(crate) mod worker;
 
 pub use method::{ArgTuple, MethodEntry, SplitTuple};
@@ -68,7 +69,7 @@ pub(crate) struct ActorShared {
     pub method_names: fn() -> Vec<&'static str>,
     pub link: host::ActorLink,
     /// The live compiled graph this actor belongs to.
-    pub live_graph: Mutex<Option<u64>>,
+    pub live_graph: Arc<Mutex<Option<u64>>>,
 }
 
 impl fmt::Debug for HandleCore {

@@ -60,6 +60,7 @@ impl Runtime {
     pub fn spawn_named<A: Actor>(&self, placement: Placement, name: impl Into<String>, init: A::Init) -> Result<ActorHandle<A>> {
         let name = name.into();
         let id = next_actor_id();
+        let live_graph = Arc::new(Mutex::new(None));
         let link = match placement {
             Placement::Thread => ActorLink::Thread(spawn_thread::<A>(id, &name, init)?),
             Placement::Process => {
@@ -67,7 +68,7 @@ impl Runtime {
                     actor: name.clone(),
                     message: format!("cannot encode the init arguments: {e}"),
                 })?;
-                ActorLink::Process(ProcessLink::spawn(id, &name, A::type_name(), init)?)
+                ActorLink::Process(ProcessLink::spawn(id, &name, A::type_name(), init, live_graph.clone())?)
             }
         };
         let core = HandleCore(Arc::new(ActorShared {
@@ -77,7 +78,7 @@ impl Runtime {
             signature: signature::<A>,
             method_names: method_names::<A>,
             link,
-            live_graph: Mutex::new(None),
+            live_graph,
         }));
         Ok(ActorHandle::from_core(core))
     }

@@ -1,44 +1,523 @@
-//! Worker processes (filled in by the process-actor work).
+//! Worker processes: the same executable started again in worker mode, hosting one actor
+//! each, controlled over a private socket.
+//!
+//! The driver spawns every worker from one long-lived thread, because `PR_SET_PDEATHSIG`
+//! fires when the *thread* that forked the child exits: so workers die with the driver
+//! process, not with whichever thread happened to spawn them. A monitor thread per worker
+//! waits for the child to exit, reaps it at once (no zombie) and tears down its graph.
+use super::host::{Control, RunRequest, host_loop};
+use super::method::CallFailure;
+use super::registry;
+use super::wire::{self, FromWorker, ToWorker, WireFailure};
+use crate::channel::endpoint::ProcChannels;
+use crate::channel::shm::ShmChannel;
+use crate::compile::plan::{GraphPlan, Loc};
 use crate::error::{Error, Result};
-use crate::value::Value;
+use crate::value::{Value, decode, encode};
+use crossbeam_channel::Sender;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
+/// The fd number of the control socket in a worker.
+const WORKER_FD: i32 = 100;
+const ENV_FD: &str = "ADAG_WORKER_FD";
+const ENV_PARENT: &str = "ADAG_WORKER_PARENT";
+const ENV_NAME: &str = "ADAG_WORKER_NAME";
+
+/// Called when a worker process dies; implemented by live graphs.
+pub(crate) trait DeathSink: Send + Sync {
+    fn actor_died(&self, actor: &str, reason: &str);
+}
+
+/// Live graphs by id, so that a worker's death reaches the graph it serves.
+pub(crate) fn graphs() -> &'static Mutex<HashMap<u64, std::sync::Weak<dyn DeathSink>>> {
+    static GRAPHS: OnceLock<Mutex<HashMap<u64, std::sync::Weak<dyn DeathSink>>>> = OnceLock::new();
+    GRAPHS.get_or_init(Default::default)
+}
+
+#[derive(Default)]
+struct GraphSlots {
+    installed: Option<Sender<Result<(), String>>>,
+    done: Option<Sender<String>>,
+}
+
+struct LinkShared {
+    name: String,
+    sock: OwnedFd,
+    send_lock: Mutex<()>,
+    pending_call: Mutex<Option<Sender<Result<Vec<u8>, WireFailure>>>>,
+    spawned: Mutex<Option<Sender<Result<(), String>>>>,
+    graph: Mutex<GraphSlots>,
+    dead: Mutex<Option<String>>,
+    live_graph: Arc<Mutex<Option<u64>>>,
+}
+
+impl LinkShared {
+    fn send(&self, msg: &ToWorker, fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+        let _guard = self.send_lock.lock();
+        wire::send(self.sock.as_fd(), msg, fds)
+    }
+
+    fn died(&self) -> Option<Error> {
+        self.dead.lock().clone().map(|reason| Error::ActorDied {
+            actor: self.name.clone(),
+            reason,
+        })
+    }
+
+    /// Everything waiting on this worker learns that it is gone.
+    fn fail_waiters(&self) {
+        self.pending_call.lock().take();
+        self.spawned.lock().take();
+        let mut g = self.graph.lock();
+        g.installed.take();
+        g.done.take();
+    }
+}
+
+/// The driver's link to one worker process.
 pub(crate) struct ProcessLink {
     pid: u32,
+    shared: Arc<LinkShared>,
+    call_lock: Mutex<()>,
+    exited: crossbeam_channel::Receiver<()>,
+}
+
+type SpawnJob = Box<dyn FnOnce() + Send>;
+
+/// The one thread that forks every worker (see the module doc).
+fn spawner() -> &'static Sender<SpawnJob> {
+    static SPAWNER: OnceLock<Sender<SpawnJob>> = OnceLock::new();
+    SPAWNER.get_or_init(|| {
+        let (tx, rx) = crossbeam_channel::unbounded::<SpawnJob>();
+        std::thread::Builder::new()
+            .name("adag-spawner".into())
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    job();
+                }
+            })
+            .expect("cannot start the adag spawner thread");
+        tx
+    })
+}
+
+fn exit_reason(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("its process exited with status {code}"),
+        (_, Some(sig)) => format!("its process was killed by signal {sig}"),
+        _ => "its process ended".into(),
+    }
+}
+
+fn spawn_child(name: &str, child_sock: OwnedFd) -> std::io::Result<Child> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(exe);
+    cmd.env(ENV_FD, WORKER_FD.to_string())
+        .env(ENV_PARENT, std::process::id().to_string())
+        .env(ENV_NAME, name)
+        .env("RUST_BACKTRACE", "0")
+        .stdin(std::process::Stdio::null());
+    let raw = child_sock.as_raw_fd();
+    let parent = std::process::id() as i32;
+    // SAFETY: the closure runs in the child between fork and exec, where only
+    // async-signal-safe functions may be called: dup2, fcntl, prctl, getppid and _exit are.
+    // It allocates nothing and touches no lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            if raw == WORKER_FD {
+                if libc::fcntl(raw, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            } else if libc::dup2(raw, WORKER_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn();
+    drop(child_sock);
+    child
 }
 
 impl ProcessLink {
-    pub(crate) fn spawn(_id: u64, name: &str, _type_name: &str, _init: Vec<u8>) -> Result<Self> {
-        Err(Error::Spawn {
+    pub(crate) fn spawn(id: u64, name: &str, type_name: &str, init: Vec<u8>, live_graph: Arc<Mutex<Option<u64>>>) -> Result<Self> {
+        let spawn_err = |message: String| Error::Spawn {
             actor: name.to_string(),
-            message: "process actors are not available yet".into(),
-        })
+            message,
+        };
+        let (sock, child_sock) = wire::socket_pair().map_err(|e| spawn_err(format!("socketpair: {e}")))?;
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let child_name = name.to_string();
+        spawner()
+            .send(Box::new(move || {
+                let _ = tx.send(spawn_child(&child_name, child_sock));
+            }))
+            .map_err(|_| spawn_err("the spawner thread stopped".into()))?;
+        let mut child = rx
+            .recv()
+            .map_err(|_| spawn_err("the spawner thread stopped".into()))?
+            .map_err(|e| spawn_err(format!("cannot start the worker process: {e}")))?;
+        let pid = child.id();
+        let (spawned_tx, spawned_rx) = crossbeam_channel::bounded(1);
+        let shared = Arc::new(LinkShared {
+            name: name.to_string(),
+            sock,
+            send_lock: Mutex::new(()),
+            pending_call: Mutex::new(None),
+            spawned: Mutex::new(Some(spawned_tx)),
+            graph: Mutex::new(GraphSlots::default()),
+            dead: Mutex::new(None),
+            live_graph,
+        });
+        let (exited_tx, exited) = crossbeam_channel::bounded(1);
+        // Monitor: reap the child the moment it exits and tell whoever waits on it.
+        let monitor = shared.clone();
+        std::thread::Builder::new()
+            .name(format!("adag-monitor-{name}"))
+            .spawn(move || {
+                let reason = child.wait().map_or_else(|e| format!("waiting for it failed: {e}"), exit_reason);
+                *monitor.dead.lock() = Some(reason.clone());
+                monitor.fail_waiters();
+                let graph = *monitor.live_graph.lock();
+                if let Some(g) = graph {
+                    let sink = graphs().lock().get(&g).and_then(|w| w.upgrade());
+                    if let Some(sink) = sink {
+                        sink.actor_died(&monitor.name, &reason);
+                    }
+                }
+                let _ = exited_tx.send(());
+            })
+            .map_err(|e| spawn_err(format!("cannot start the monitor thread: {e}")))?;
+        // Reader: route the worker's replies.
+        let reader = shared.clone();
+        std::thread::Builder::new()
+            .name(format!("adag-link-{name}"))
+            .spawn(move || read_replies(&reader))
+            .map_err(|e| spawn_err(format!("cannot start the reader thread: {e}")))?;
+        let link = ProcessLink {
+            pid,
+            shared,
+            call_lock: Mutex::new(()),
+            exited,
+        };
+        link.shared
+            .send(
+                &ToWorker::Spawn {
+                    id,
+                    name: name.to_string(),
+                    type_name: type_name.to_string(),
+                    init,
+                },
+                &[],
+            )
+            .map_err(|e| spawn_err(format!("cannot reach the worker: {e}")))?;
+        match spawned_rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(Ok(())) => Ok(link),
+            Ok(Err(message)) => Err(spawn_err(message)),
+            Err(_) => Err(spawn_err(match link.shared.dead.lock().clone() {
+                Some(reason) => format!("the worker died while starting: {reason}"),
+                None => "the worker did not start within 60 s".into(),
+            })),
+        }
     }
 
-    pub(crate) fn call<Args: Value, R: Value>(&self, actor: &str, method: &str, _args: Args) -> Result<R> {
-        Err(Error::Call {
+    pub(crate) fn call<Args: Value, R: Value>(&self, actor: &str, method: &str, args: Args) -> Result<R> {
+        let call_err = |message: String| Error::Call {
             actor: actor.to_string(),
             method: method.to_string(),
-            message: "process actors are not available yet".into(),
+            message,
+        };
+        let args = encode(&args).map_err(|e| call_err(format!("cannot encode the arguments: {e}")))?;
+        let _one_at_a_time = self.call_lock.lock();
+        if let Some(dead) = self.shared.died() {
+            return Err(dead);
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        *self.shared.pending_call.lock() = Some(tx);
+        self.shared
+            .send(
+                &ToWorker::Call {
+                    method: method.to_string(),
+                    args,
+                },
+                &[],
+            )
+            .map_err(|e| self.shared.died().unwrap_or_else(|| call_err(format!("cannot reach the worker: {e}"))))?;
+        let reply = match rx.recv() {
+            Ok(r) => r,
+            Err(_) => {
+                // The monitor dropped the sender: the worker is gone. Give it a moment to
+                // record why.
+                let _ = self.exited.recv_timeout(Duration::from_millis(500));
+                return Err(self.shared.died().unwrap_or_else(|| call_err("the worker stopped answering".into())));
+            }
+        };
+        let bytes = reply.map_err(|f| {
+            super::host::call_failure(
+                actor,
+                method,
+                match f {
+                    WireFailure::NoSuchMethod => CallFailure::NoSuchMethod,
+                    WireFailure::BadArgs(m) => CallFailure::BadArgs(m),
+                    WireFailure::Task(m) => CallFailure::Task(m),
+                },
+            )
+        })?;
+        decode::<R>(&bytes).map_err(|e| Error::Codec {
+            op: "decode",
+            ty: std::any::type_name::<R>().into(),
+            place: format!("the result of {actor}.{method}"),
+            message: format!("{e}; the worker's method returns another type (a stale worker binary?)"),
         })
     }
 
+    /// Send this actor its part of a graph; `installed` and `done` are answered by the worker.
     pub(crate) fn install(
         &self,
-        _plan: std::sync::Arc<crate::compile::plan::GraphPlan>,
-        _chans: &crate::channel::endpoint::ProcChannels,
-        _installed: crossbeam_channel::Sender<Result<(), String>>,
-        _done: crossbeam_channel::Sender<String>,
+        actor: u64,
+        plan: Arc<GraphPlan>,
+        chans: &ProcChannels,
+        installed: Sender<Result<(), String>>,
+        done: Sender<String>,
     ) -> Result<()> {
-        Ok(())
+        if let Some(dead) = self.shared.died() {
+            return Err(dead);
+        }
+        let me = Loc::Actor(actor);
+        let mut ids = Vec::new();
+        for e in plan.edges.values() {
+            if let Some(s) = &e.shm
+                && (e.writer == me || s.readers.contains(&me))
+            {
+                ids.push(s.chan);
+            }
+        }
+        let fds: Vec<BorrowedFd<'_>> = ids.iter().map(|c| chans.shm[c].fd()).collect();
+        {
+            let mut g = self.shared.graph.lock();
+            g.installed = Some(installed);
+            g.done = Some(done);
+        }
+        self.shared
+            .send(
+                &ToWorker::Install {
+                    plan: (*plan).clone(),
+                    chans: ids.clone(),
+                },
+                &fds,
+            )
+            .map_err(|e| Error::io(format!("sending the schedule to {}", self.shared.name), e))
     }
 
     pub(crate) fn kill(&self) -> Result<()> {
-        Ok(())
+        if self.shared.dead.lock().is_some() {
+            return Ok(());
+        }
+        // The monitor has not reaped the child yet, so the pid still names it.
+        let pid = rustix::process::Pid::from_raw(self.pid as i32).expect("a child's pid is positive");
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL)
+            .map_err(|e| Error::io(format!("killing worker {} (pid {})", self.shared.name, self.pid), e))
     }
 
     pub(crate) fn pid(&self) -> u32 {
         self.pid
     }
+
+    pub(crate) fn is_dead(&self) -> bool {
+        self.shared.dead.lock().is_some()
+    }
 }
 
-pub(crate) fn maybe_run_worker() {}
+impl Drop for ProcessLink {
+    fn drop(&mut self) {
+        // Ask the worker to leave, then make sure it did: no process outlives its handles.
+        let _ = self.shared.send(&ToWorker::Shutdown, &[]);
+        if self.exited.recv_timeout(Duration::from_secs(2)).is_err() {
+            let _ = self.kill();
+            let _ = self.exited.recv_timeout(Duration::from_secs(5));
+        }
+    }
+}
+
+fn read_replies(link: &LinkShared) {
+    loop {
+        let msg = match wire::recv::<FromWorker>(link.sock.as_fd()) {
+            Ok(Some((msg, _))) => msg,
+            Ok(None) | Err(_) => return,
+        };
+        match msg {
+            FromWorker::Spawned(r) => {
+                if let Some(tx) = link.spawned.lock().take() {
+                    let _ = tx.send(r);
+                }
+            }
+            FromWorker::CallResult(r) => {
+                if let Some(tx) = link.pending_call.lock().take() {
+                    let _ = tx.send(r);
+                }
+            }
+            FromWorker::Installed(r) => {
+                if let Some(tx) = link.graph.lock().installed.take() {
+                    let _ = tx.send(r);
+                }
+            }
+            FromWorker::GraphDone(why) => {
+                if let Some(tx) = link.graph.lock().done.take() {
+                    let _ = tx.send(why);
+                }
+            }
+        }
+    }
+}
+
+/// If this process was started as a worker, run it and exit; otherwise return at once.
+pub(crate) fn maybe_run_worker() {
+    static STARTED: AtomicBool = AtomicBool::new(false);
+    let (Ok(fd), Ok(parent)) = (std::env::var(ENV_FD), std::env::var(ENV_PARENT)) else {
+        return;
+    };
+    // A process started by a worker inherits its environment; only the driver's own child
+    // is a worker.
+    if parent != rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get()).to_string() {
+        return;
+    }
+    if fd != WORKER_FD.to_string() || STARTED.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    // SAFETY: fd WORKER_FD was placed in this process by the driver's pre_exec (dup2) for
+    // exactly this purpose; nothing else in the process owns or closes it.
+    let sock = unsafe { OwnedFd::from_raw_fd(WORKER_FD) };
+    let code = worker_main(sock);
+    std::process::exit(code);
+}
+
+fn worker_main(sock: OwnedFd) -> i32 {
+    let sock = Arc::new(sock);
+    let send_lock = Arc::new(Mutex::new(()));
+    let send = {
+        let sock = sock.clone();
+        let lock = send_lock.clone();
+        move |msg: &FromWorker| {
+            let _g = lock.lock();
+            let _ = wire::send(sock.as_fd(), msg, &[]);
+        }
+    };
+    let Ok(Some((ToWorker::Spawn { id, name, type_name, init }, _))) = wire::recv::<ToWorker>(sock.as_fd()) else {
+        return 2;
+    };
+    let (control, rx) = crossbeam_channel::unbounded::<Control>();
+    let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
+    let host_name = name.clone();
+    let spawned = std::thread::Builder::new().name(format!("adag-{name}")).spawn(move || {
+        let built = match registry::lookup(&type_name) {
+            None => Err(format!(
+                "actor type {type_name} is not registered in this executable; is its #[actor] impl linked in?"
+            )),
+            Some(entry) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (entry.build)(&init, id, host_name)))
+                .unwrap_or_else(|p| Err(super::method::panic_text(p))),
+        };
+        match built {
+            Ok(host) => {
+                let _ = ready_tx.send(Ok(()));
+                host_loop(host, rx);
+            }
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+            }
+        }
+    });
+    if spawned.is_err() {
+        send(&FromWorker::Spawned(Err("cannot start the actor thread".into())));
+        return 3;
+    }
+    let ready = ready_rx.recv().unwrap_or_else(|_| Err("the actor thread stopped".into()));
+    let ok = ready.is_ok();
+    send(&FromWorker::Spawned(ready.map_err(|e| format!("new() failed: {e}"))));
+    if !ok {
+        return 4;
+    }
+    loop {
+        let (msg, fds) = match wire::recv::<ToWorker>(sock.as_fd()) {
+            Ok(Some(m)) => m,
+            // The driver is gone or spoke nonsense: leave.
+            Ok(None) | Err(_) => return 0,
+        };
+        match msg {
+            ToWorker::Spawn { .. } => return 5,
+            ToWorker::Shutdown => return 0,
+            ToWorker::Call { method, args } => {
+                let (reply, reply_rx) = crossbeam_channel::bounded(1);
+                if control.send(Control::CallEncoded { method, args, reply }).is_err() {
+                    return 6;
+                }
+                let result = match reply_rx.recv() {
+                    Ok(r) => r.map_err(|f| match f {
+                        CallFailure::NoSuchMethod => WireFailure::NoSuchMethod,
+                        CallFailure::BadArgs(m) => WireFailure::BadArgs(m),
+                        CallFailure::Task(m) => WireFailure::Task(m),
+                    }),
+                    Err(_) => return 6,
+                };
+                send(&FromWorker::CallResult(result));
+            }
+            ToWorker::Install { plan, chans } => {
+                let mut shm = HashMap::new();
+                let mut error = None;
+                if fds.len() != chans.len() {
+                    error = Some(format!("expected {} channel fds, got {}", chans.len(), fds.len()));
+                }
+                for (id, fd) in chans.iter().zip(fds) {
+                    match ShmChannel::open(fd) {
+                        Ok(ch) => {
+                            shm.insert(*id, ch);
+                        }
+                        Err(e) => error = Some(format!("cannot map channel {id}: {e}")),
+                    }
+                }
+                if let Some(e) = error {
+                    send(&FromWorker::Installed(Err(e)));
+                    send(&FromWorker::GraphDone("install failed".into()));
+                    continue;
+                }
+                let (installed, installed_rx) = crossbeam_channel::bounded(1);
+                let (done, done_rx) = crossbeam_channel::bounded(1);
+                let request = RunRequest {
+                    plan: Arc::new(plan),
+                    chans: Arc::new(ProcChannels::new(shm)),
+                    installed,
+                    done,
+                };
+                if control.send(Control::Run(request)).is_err() {
+                    return 6;
+                }
+                let send = send.clone();
+                let _ = std::thread::Builder::new().name("adag-graph-events".into()).spawn(move || {
+                    let r = installed_rx.recv().unwrap_or_else(|_| Err("the actor thread stopped".into()));
+                    send(&FromWorker::Installed(r));
+                    let why = done_rx.recv().unwrap_or_else(|_| "the actor thread stopped".into());
+                    send(&FromWorker::GraphDone(why));
+                });
+            }
+        }
+    }
+}
+
+/// Runs before `main` in every executable that links adag: a worker never reaches `main`.
+#[ctor::ctor(unsafe)]
+fn adag_worker_hook() {
+    maybe_run_worker();
+}

@@ -1,5 +1,7 @@
 //! Channels: one per edge of a compiled graph.
 pub(crate) mod endpoint;
+#[cfg(all(test, loom))]
+mod loom_tests;
 pub(crate) mod ring;
 pub(crate) mod shm;
 pub(crate) mod wait;

@@ -1,6 +1,7 @@
 //! Execution: the compiled graph, `execute`, refs, the result buffer, capacity accounting,
 //! teardown and the death of an actor.
 use crate::actor::HandleCore;
+use crate::actor::worker::DeathSink;
 use crate::actor::host::{ActorLink, Control, RunRequest};
 use crate::channel::endpoint::{ChanError, EdgeReader, EdgeWriter, Msg, ProcChannels};
 use crate::channel::shm::{ShmChannel, ShmConfig};
@@ -222,7 +223,7 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
                     .map_err(|_| Error::compile(actor.name(), "the actor's thread has stopped"))?;
             }
             ActorLink::Process(link) => {
-                link.install(plan.clone(), &chans, installed, done_tx)?;
+                link.install(actor.id(), plan.clone(), &chans, installed, done_tx)?;
             }
         }
         done.push((actor.name().to_string(), done_rx));
@@ -266,7 +267,7 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
     }
     let output_labels = specs.iter().map(|s| s.node.describe()).collect();
     let dot = viz::dot(&plan, &nodes);
-    Ok(Arc::new(GraphShared {
+    let shared = Arc::new(GraphShared {
         id: plan.graph,
         state: Mutex::new(DriverState {
             feeders,
@@ -288,7 +289,28 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
         death: Mutex::new(None),
         done: Mutex::new(done),
         dot,
-    }))
+    });
+    let sink: Arc<dyn DeathSink> = shared.clone();
+    crate::actor::worker::graphs().lock().insert(shared.id, Arc::downgrade(&sink));
+    // A worker that died while the graph was being installed.
+    for actor in &shared.actors {
+        if let ActorLink::Process(link) = &actor.0.link
+            && link.is_dead()
+        {
+            shared.actor_died(actor.name(), "it died while the graph was compiled");
+        }
+    }
+    Ok(shared)
+}
+
+impl<I: Value> DeathSink for GraphShared<I> {
+    fn actor_died(&self, actor: &str, reason: &str) {
+        self.record_death(Error::ActorDied {
+            actor: actor.to_string(),
+            reason: reason.to_string(),
+        });
+        let _ = self.teardown_with(Some(format!("actor {actor} died: {reason}")));
+    }
 }
 
 impl<I: Value> GraphShared<I> {
@@ -386,7 +408,7 @@ impl<I: Value> GraphShared<I> {
             if written > 0 {
                 // Part of this input went out: the channels are no longer in step.
                 drop(st);
-                self.teardown_with(Some(format!("execution {exec} was only partly submitted: {err}")));
+                let _ = self.teardown_with(Some(format!("execution {exec} was only partly submitted: {err}")));
             }
             return Err(err);
         }
@@ -419,7 +441,8 @@ impl<I: Value> GraphShared<I> {
         let deadline = Instant::now() + self.opts.teardown_timeout;
         let mut stuck = Vec::new();
         for (name, rx) in self.done.lock().drain(..) {
-            if rx.recv_deadline(deadline).is_err() {
+            // A disconnected channel means the actor's process is gone: nothing to wait for.
+            if let Err(crossbeam_channel::RecvTimeoutError::Timeout) = rx.recv_deadline(deadline) {
                 stuck.push(name);
             }
         }
@@ -431,6 +454,7 @@ impl<I: Value> GraphShared<I> {
             }
         }
         release_actors(&self.actors, self.id);
+        crate::actor::worker::graphs().lock().remove(&self.id);
         if stuck.is_empty() {
             Ok(())
         } else {

@@ -1,0 +1,1609 @@
+//! The behaviour suite of adag: graph building, typed and by-name binding, compile options and
+//! validation, execution, errors, teardown, one-off calls and many executions, run against
+//! every placement that works (see `common::placements`). Every test body runs under a
+//! watchdog, so a hang is a failure that names the test.
+
+mod common;
+
+use adag::{
+    Capacity, CompileOptions, CompiledRef, Dag, ErasedArg, Error, MultiOutput, Node, Placement,
+    RefSet, Runtime, get_all,
+};
+use common::*;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+fn opts() -> CompileOptions {
+    CompileOptions::default()
+}
+
+/// `Error::Compile`'s node and message, or a failure.
+#[track_caller]
+fn compile_error(e: Error, p: Placement) -> (String, String) {
+    match e {
+        Error::Compile { node, message } => (node, message),
+        other => panic!("[{p:?}] expected Error::Compile, got {other:?}"),
+    }
+}
+
+// =======================================================================================
+// Graph building
+// =======================================================================================
+
+#[test]
+fn input_node_used_directly() {
+    each_placement("input_node_used_directly", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 7);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let g = dag.compile(a.echo(&x), opts()).unwrap();
+        for i in [0u64, 1, 41, 1 << 40] {
+            assert_eq!(
+                g.execute(i).unwrap().get().unwrap(),
+                i + 7,
+                "[{p:?}] echo({i})"
+            );
+        }
+        g.teardown().unwrap();
+
+        // `dag.input()` twice is the same node: bound twice to one method it feeds both args.
+        let dag = Dag::<u64>::new();
+        let y = a.add(dag.input(), dag.input());
+        let g = dag.compile(y, opts()).unwrap();
+        assert_eq!(
+            g.execute(20).unwrap().get().unwrap(),
+            20 + 20 + 7,
+            "[{p:?}]"
+        );
+    });
+}
+
+#[test]
+fn positional_input_parts() {
+    each_placement("positional_input_parts", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let dag = Dag::<(u64, u64)>::new();
+        let input = dag.input();
+        let first = input.arg::<0>();
+        let second = input.arg::<1>();
+        assert_eq!(first.describe(), "input[0]");
+        assert_eq!(second.describe(), "input[1]");
+        assert_eq!(
+            input.arg::<1>().describe(),
+            "input[1]",
+            "the same part twice"
+        );
+        // combine is order-sensitive: 1000 a + b.
+        let y = a.combine(&second, &first);
+        let g = dag.compile(y, opts()).unwrap();
+        assert_eq!(g.execute((3, 4)).unwrap().get().unwrap(), 4003, "[{p:?}]");
+        assert_eq!(g.execute((9, 1)).unwrap().get().unwrap(), 1009, "[{p:?}]");
+    });
+}
+
+#[test]
+fn named_input_parts() {
+    each_placement("named_input_parts", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let b = worker(&rt, p, 100);
+        let c = worker(&rt, p, 0);
+        let dag = Dag::<Req>::new();
+        let input = dag.input();
+        let k = input.field("k", |r: &Req| r.k.clone());
+        let v = input.field("v", |r: &Req| r.v);
+        assert_eq!(k.describe(), "input.k");
+        assert_eq!(v.describe(), "input.v");
+        let outs = (a.strlen(&k), b.echo(&v), c.shout(&k));
+        let g = dag.compile(outs, opts()).unwrap();
+        let req = Req {
+            k: "hello".into(),
+            v: 5,
+        };
+        let (len, v1, s) = g.execute(req).unwrap().get().unwrap();
+        assert_eq!((len, v1, s.as_str()), (5, 105, "hello!"), "[{p:?}]");
+        let (len, v1, s) = g
+            .execute(Req {
+                k: String::new(),
+                v: 0,
+            })
+            .unwrap()
+            .get()
+            .unwrap();
+        assert_eq!((len, v1, s.as_str()), (0, 100, "!"), "[{p:?}]");
+    });
+}
+
+#[test]
+fn tuple_input_with_several_args() {
+    each_placement("tuple_input_with_several_args", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1000);
+        let dag = Dag::<(u64, u64, u64)>::new();
+        let input = dag.input();
+        let y = a.add3(input.arg::<0>(), input.arg::<1>(), input.arg::<2>());
+        let g = dag.compile(y, opts()).unwrap();
+        assert_eq!(
+            g.execute((1, 2, 3)).unwrap().get().unwrap(),
+            1123,
+            "[{p:?}]"
+        );
+        assert_eq!(
+            g.execute((3, 2, 1)).unwrap().get().unwrap(),
+            1321,
+            "[{p:?}]"
+        );
+    });
+}
+
+#[test]
+fn constants_mixed_with_node_args() {
+    each_placement("constants_mixed_with_node_args", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let b = worker(&rt, p, 0);
+        let dag = Dag::<(u64, u64)>::new();
+        let input = dag.input();
+        let x = input.arg::<0>();
+        let y = input.arg::<1>();
+        let out1 = a.add3(&x, 5u64, &y);
+        let out2 = b.add3(7u64, &y, 9u64);
+        let g = dag.compile((out1, out2), opts()).unwrap();
+        let (r1, r2) = g.execute((1, 2)).unwrap().get().unwrap();
+        assert_eq!(r1, 152, "[{p:?}] add3(x=1, 5, y=2)");
+        assert_eq!(r2, 729, "[{p:?}] add3(7, y=2, 9)");
+    });
+}
+
+#[test]
+fn methods_with_one_two_three_args() {
+    each_placement("methods_with_one_two_three_args", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let c = worker(&rt, p, 3);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let one = a.echo(&x);
+        let two = b.add(&x, &one);
+        let three = c.add3(&x, &one, &two);
+        let g = dag.compile((one, two, three), opts()).unwrap();
+        for i in 0..5u64 {
+            let (o, t, th) = g.execute(i).unwrap().get().unwrap();
+            assert_eq!(o, i + 1, "[{p:?}] one-arg");
+            assert_eq!(t, i + (i + 1) + 2, "[{p:?}] two-arg");
+            assert_eq!(th, 100 * i + 10 * o + t + 3, "[{p:?}] three-arg");
+        }
+    });
+}
+
+#[test]
+fn zero_arg_method_in_graph_is_compile_error() {
+    each_placement("zero_arg_method_in_graph_is_compile_error", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let y = a.echo(&x);
+        let z = a.calls();
+        let e = expect_err(dag.compile((y.clone(), z.clone()), opts()), "0-arg task");
+        let (node, message) = compile_error(e, p);
+        assert_eq!(node, z.describe(), "[{p:?}] the error names the 0-arg task");
+        assert!(node.contains("calls"), "[{p:?}] {node}");
+        assert!(message.contains("input"), "[{p:?}] {message}");
+        drop(z);
+        // Without it, the same graph compiles and the actor is free.
+        let g = dag.compile(y, opts()).unwrap();
+        assert_eq!(g.execute(4).unwrap().get().unwrap(), 4, "[{p:?}]");
+    });
+}
+
+#[test]
+fn same_actor_several_times_runs_in_bind_order() {
+    each_placement("same_actor_several_times_runs_in_bind_order", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        {
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let f = a.note_f(&x); // bound first: runs first
+            let g_ = a.note_g(&x);
+            // Outputs in the other order: the schedule follows bind order, not output order.
+            let g = dag.compile((g_, f), opts()).unwrap();
+            for i in 0..3u64 {
+                let (gl, fl) = g.execute(i).unwrap().get().unwrap();
+                assert_eq!(fl, 2 * i + 1, "[{p:?}] f is the {}th entry", 2 * i + 1);
+                assert_eq!(gl, 2 * i + 2, "[{p:?}] g follows f");
+            }
+            g.teardown().unwrap();
+        }
+        let log = a.call().log().unwrap();
+        assert_eq!(log, ["f0", "g0", "f1", "g1", "f2", "g2"], "[{p:?}]");
+        {
+            // Now g bound before f.
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let g_ = a.note_g(&x);
+            let f = a.note_f(&x);
+            let g = dag.compile((f, g_), opts()).unwrap();
+            let (fl, gl) = g.execute(9).unwrap().get().unwrap();
+            assert_eq!((gl, fl), (7, 8), "[{p:?}] g runs first now");
+        }
+        let log = a.call().log().unwrap();
+        assert_eq!(&log[6..], ["g9", "f9"], "[{p:?}]");
+        // A chain through one actor: f feeds g on the same actor.
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let y = a.echo(a.echo(a.echo(&x)));
+        let g = dag.compile(y, opts()).unwrap();
+        assert_eq!(g.execute(1).unwrap().get().unwrap(), 1, "[{p:?}] k = 0");
+    });
+}
+
+#[test]
+fn chain_of_three() {
+    each_placement("chain_of_three", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 10);
+        let c = worker(&rt, p, 100);
+        let dag = Dag::<u64>::new();
+        let y = c.echo(b.echo(a.echo(dag.input())));
+        let g = dag.compile(y, opts()).unwrap();
+        for i in 0..50u64 {
+            assert_eq!(g.execute(i).unwrap().get().unwrap(), i + 111, "[{p:?}]");
+        }
+    });
+}
+
+#[test]
+fn fan_out_one_node_to_three_actors() {
+    each_placement("fan_out_one_node_to_three_actors", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 10);
+        let c = worker(&rt, p, 20);
+        let d = worker(&rt, p, 30);
+        let dag = Dag::<u64>::new();
+        let y = a.echo(dag.input());
+        let g = dag
+            .compile((b.echo(&y), c.echo(&y), d.echo(&y)), opts())
+            .unwrap();
+        for i in 0..20u64 {
+            let got = g.execute(i).unwrap().get().unwrap();
+            assert_eq!(got, (i + 11, i + 21, i + 31), "[{p:?}]");
+        }
+        g.teardown().unwrap();
+        // a ran once per execution although three actors read its result.
+        assert_eq!(a.call().calls().unwrap(), 20, "[{p:?}]");
+    });
+}
+
+#[test]
+fn fan_in_and_diamond() {
+    each_placement("fan_in_and_diamond", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 10);
+        let c = worker(&rt, p, 20);
+        let d = worker(&rt, p, 0);
+        // Fan-in: two input parts into one method.
+        {
+            let dag = Dag::<(u64, u64)>::new();
+            let input = dag.input();
+            let y = d.combine(b.echo(input.arg::<0>()), c.echo(input.arg::<1>()));
+            let g = dag.compile(y, opts()).unwrap();
+            assert_eq!(g.execute((1, 2)).unwrap().get().unwrap(), 11_022, "[{p:?}]");
+        }
+        // Diamond: x -> a -> (b, c) -> d.
+        let dag = Dag::<u64>::new();
+        let top = a.echo(dag.input());
+        let y = d.combine(b.echo(&top), c.echo(&top));
+        let g = dag.compile(y, opts()).unwrap();
+        for i in 0..20u64 {
+            let want = 1000 * (i + 11) + (i + 21);
+            assert_eq!(g.execute(i).unwrap().get().unwrap(), want, "[{p:?}]");
+        }
+    });
+}
+
+#[test]
+fn multi_output_tuple_vec_and_multioutput() {
+    each_placement("multi_output_tuple_vec_and_multioutput", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let c = worker(&rt, p, 3);
+        {
+            // A tuple of nodes of different types, one of them itself a tuple.
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let g = dag.compile((a.echo(&x), b.pair(&x)), opts()).unwrap();
+            let (r1, r2): (CompiledRef<u64>, CompiledRef<(u64, String)>) = g.execute(5).unwrap();
+            assert_eq!(r2.get().unwrap(), (7, "v5".to_string()), "[{p:?}]");
+            assert_eq!(r1.get().unwrap(), 6, "[{p:?}]");
+        }
+        {
+            // A Vec of nodes.
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let outs: Vec<Node<u64>> = vec![a.echo(&x), b.echo(&x), c.echo(&x)];
+            let g = dag.compile(outs, opts()).unwrap();
+            let refs = g.execute(10).unwrap();
+            assert_eq!(refs.len(), 3);
+            assert_eq!(get_all(refs).unwrap(), vec![11, 12, 13], "[{p:?}]");
+        }
+        {
+            // adag::MultiOutput.
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let outs = MultiOutput(vec![c.echo(&x), a.echo(&x)]);
+            let g = dag.compile(outs, opts()).unwrap();
+            for i in 0..5 {
+                let refs = g.execute(i).unwrap();
+                assert_eq!(refs.get().unwrap(), vec![i + 3, i + 1], "[{p:?}]");
+            }
+        }
+    });
+}
+
+#[test]
+fn same_node_twice_in_outputs() {
+    each_placement("same_node_twice_in_outputs", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        {
+            let dag = Dag::<u64>::new();
+            let y = a.echo(dag.input());
+            let g = dag.compile((y.clone(), y), opts()).unwrap();
+            for i in 0..5 {
+                assert_eq!(
+                    g.execute(i).unwrap().get().unwrap(),
+                    (i + 1, i + 1),
+                    "[{p:?}]"
+                );
+            }
+            // Claimed in the other order.
+            let (r1, r2) = g.execute(9).unwrap();
+            assert_eq!(r2.get().unwrap(), 10, "[{p:?}]");
+            assert_eq!(r1.get().unwrap(), 10, "[{p:?}]");
+            g.teardown().unwrap();
+            assert_eq!(
+                a.call().calls().unwrap(),
+                6,
+                "[{p:?}] computed once per execution"
+            );
+        }
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let y = a.echo(&x);
+        let z = b.echo(&x);
+        let g = dag.compile(vec![y.clone(), z, y], opts()).unwrap();
+        assert_eq!(
+            g.execute(1).unwrap().get().unwrap(),
+            vec![2, 3, 2],
+            "[{p:?}]"
+        );
+    });
+}
+
+#[test]
+fn split_tuple_result_into_nodes() {
+    each_placement("split_tuple_result_into_nodes", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 10);
+        let c = worker(&rt, p, 0);
+        let dag = Dag::<u64>::new();
+        let (n, s) = a.pair(dag.input()).split();
+        let outs = (b.echo(&n), c.strlen(&s), s);
+        let g = dag.compile(outs, opts()).unwrap();
+        for i in [0u64, 42, 12345] {
+            let (bn, len, s) = g.execute(i).unwrap().get().unwrap();
+            assert_eq!(bn, i + 11, "[{p:?}] first element");
+            assert_eq!(s, format!("v{i}"), "[{p:?}] second element to the driver");
+            assert_eq!(len, s.len() as u64, "[{p:?}] second element to c");
+        }
+    });
+}
+
+// =======================================================================================
+// Binding by name
+// =======================================================================================
+
+#[test]
+fn by_name_binding_works() {
+    each_placement("by_name_binding_works", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 100);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let any = a
+            .method("add")
+            .bind([x.erase().into(), ErasedArg::constant(5u64)]);
+        assert!(any.type_name().contains("u64"), "{}", any.type_name());
+        assert!(
+            any.typed::<String>().is_none(),
+            "[{p:?}] wrong type recovered"
+        );
+        let y = any.typed::<u64>().expect("add returns u64");
+        let g = dag.compile(y, opts()).unwrap();
+        assert_eq!(g.execute(10).unwrap().get().unwrap(), 115, "[{p:?}]");
+        assert_eq!(g.execute(0).unwrap().get().unwrap(), 105, "[{p:?}]");
+    });
+}
+
+#[test]
+fn by_name_unknown_method_is_compile_error() {
+    each_placement("by_name_unknown_method_is_compile_error", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let b = worker(&rt, p, 0);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let bad = a.method("nope").bind([x.erase().into()]);
+        let y = b
+            .method("echo")
+            .bind([(&bad).into()])
+            .typed::<u64>()
+            .unwrap();
+        let (node, message) = compile_error(expect_err(dag.compile(y, opts()), "unknown"), p);
+        assert_eq!(node, bad.describe(), "[{p:?}] {message}");
+        assert!(
+            message.contains("nope"),
+            "[{p:?}] names the method: {message}"
+        );
+        for m in ["echo", "add", "add3", "checked", "pair", "log"] {
+            assert!(message.contains(m), "[{p:?}] lists `{m}`: {message}");
+        }
+        // The actors were not claimed by the failed compile.
+        assert_eq!(a.call().echo(1).unwrap(), 1, "[{p:?}]");
+    });
+}
+
+#[test]
+fn by_name_wrong_argument_type_is_compile_error() {
+    each_placement("by_name_wrong_argument_type_is_compile_error", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        {
+            let dag = Dag::<String>::new();
+            let x = dag.input();
+            let y = a
+                .method("echo")
+                .bind([x.erase().into()])
+                .typed::<u64>()
+                .unwrap();
+            let e = expect_err(dag.compile(y.clone(), opts()), "String into u64");
+            let (node, message) = compile_error(e, p);
+            assert_eq!(node, y.describe(), "[{p:?}]");
+            assert!(
+                message.contains("u64"),
+                "[{p:?}] names the wanted type: {message}"
+            );
+            assert!(
+                message.contains("String"),
+                "[{p:?}] names the given type: {message}"
+            );
+            assert!(
+                message.contains("input"),
+                "[{p:?}] names the argument's node: {message}"
+            );
+        }
+        {
+            // A constant of the wrong type.
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let y = a
+                .method("add")
+                .bind([x.erase().into(), ErasedArg::constant("five".to_string())])
+                .typed::<u64>()
+                .unwrap();
+            let e = expect_err(dag.compile(y.clone(), opts()), "String constant");
+            let (node, message) = compile_error(e, p);
+            assert_eq!(node, y.describe(), "[{p:?}]");
+            assert!(
+                message.contains("String") && message.contains("u64"),
+                "[{p:?}] {message}"
+            );
+        }
+        {
+            // The wrong number of arguments.
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let y = a
+                .method("add")
+                .bind([x.erase().into()])
+                .typed::<u64>()
+                .unwrap();
+            let e = expect_err(dag.compile(y.clone(), opts()), "arity");
+            let (node, message) = compile_error(e, p);
+            assert_eq!(node, y.describe(), "[{p:?}]");
+            assert!(
+                message.contains('2') && message.contains('1'),
+                "[{p:?}] {message}"
+            );
+        }
+    });
+}
+
+// =======================================================================================
+// Compile options and validation
+// =======================================================================================
+
+#[test]
+fn compile_option_defaults() {
+    let o = CompileOptions::default();
+    assert_eq!(o.submit_timeout, Duration::from_secs(10));
+    assert_eq!(o.get_timeout, Duration::from_secs(10));
+    assert_eq!(o.buffer_size_bytes, 1_000_000);
+    assert_eq!(o.max_inflight_executions, 10);
+    assert_eq!(o.max_buffered_results, 1000);
+    assert!(!o.enable_asyncio);
+    assert!(!o.overlap_gpu_communication);
+    assert!(matches!(
+        o.default_communicator,
+        adag::DefaultCommunicator::Create
+    ));
+    each_placement("compile_option_defaults", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let dag = Dag::<u64>::new();
+        let o = CompileOptions::default()
+            .max_inflight_executions(3)
+            .max_buffered_results(4)
+            .get_timeout(Duration::from_secs(7));
+        let g = dag.compile(a.echo(dag.input()), o).unwrap();
+        assert_eq!(g.options().max_inflight_executions, 3, "[{p:?}]");
+        assert_eq!(g.options().max_buffered_results, 4, "[{p:?}]");
+        assert_eq!(g.options().get_timeout, Duration::from_secs(7), "[{p:?}]");
+        assert_eq!(
+            g.options().submit_timeout,
+            Duration::from_secs(10),
+            "[{p:?}]"
+        );
+    });
+}
+
+#[test]
+fn validation_no_input_used() {
+    each_placement("validation_no_input_used", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        {
+            // dag.input() never called.
+            let dag = Dag::<u64>::new();
+            let y = a.echo(5u64);
+            let (node, message) =
+                compile_error(expect_err(dag.compile(y.clone(), opts()), "no input"), p);
+            assert_eq!(node, y.describe(), "[{p:?}] {message}");
+            assert!(message.contains("input"), "[{p:?}] {message}");
+        }
+        {
+            // dag.input() called but never bound.
+            let dag = Dag::<u64>::new();
+            let _x = dag.input();
+            let y = a.echo(5u64);
+            let e = expect_err(dag.compile(y.clone(), opts()), "input unbound");
+            let (node, message) = compile_error(e, p);
+            assert!(
+                node == y.describe() || node == "input",
+                "[{p:?}] {node}: {message}"
+            );
+            assert!(message.contains("input"), "[{p:?}] {message}");
+        }
+        {
+            // The output is the input itself.
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let whole: Node<u64> = (*x).clone();
+            let e = expect_err(dag.compile(whole, opts()), "output is the input");
+            let (node, _message) = compile_error(e, p);
+            assert_eq!(node, "input", "[{p:?}]");
+        }
+        assert_eq!(a.call().echo(3).unwrap(), 3, "[{p:?}] the actor stays free");
+    });
+}
+
+#[test]
+fn validation_output_not_depending_on_input() {
+    each_placement("validation_output_not_depending_on_input", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let b = worker(&rt, p, 0);
+        let c = worker(&rt, p, 0);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let y = a.echo(&x);
+        let z = c.echo(b.echo(7u64));
+        let e = expect_err(dag.compile((y, z), opts()), "constant-only output");
+        let (node, message) = compile_error(e, p);
+        assert!(node.contains(".echo#"), "[{p:?}] names a task: {node}");
+        assert!(
+            node.starts_with(b.name()),
+            "[{p:?}] the constant-only task of b: {node}"
+        );
+        assert!(message.contains("input"), "[{p:?}] {message}");
+    });
+}
+
+#[test]
+fn validation_node_from_another_dag() {
+    each_placement("validation_node_from_another_dag", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let b = worker(&rt, p, 0);
+        let d1 = Dag::<u64>::new();
+        let d2 = Dag::<u64>::new();
+        let y1 = a.echo(d1.input());
+        {
+            let e = expect_err(d2.compile(y1.clone(), opts()), "node of d1 in d2");
+            let (node, message) = compile_error(e, p);
+            assert!(!node.is_empty(), "[{p:?}]");
+            assert!(node == y1.describe() || node == "input", "[{p:?}] {node}");
+            assert!(
+                message.contains(&format!("#{}", d1.id())),
+                "[{p:?}] {message}"
+            );
+        }
+        {
+            // A node mixing both graphs.
+            let mixed = b.add(d1.input(), d2.input());
+            let e = expect_err(d1.compile((y1.clone(), mixed.clone()), opts()), "mixed");
+            let (node, message) = compile_error(e, p);
+            assert!(
+                node == mixed.describe() || node == "input",
+                "[{p:?}] {node}"
+            );
+            assert!(
+                message.contains(&format!("#{}", d2.id())),
+                "[{p:?}] {message}"
+            );
+        }
+        // Built properly, d1 compiles.
+        let g = d1.compile(y1, opts()).unwrap();
+        assert_eq!(g.execute(2).unwrap().get().unwrap(), 2, "[{p:?}]");
+    });
+}
+
+#[test]
+fn validation_actor_already_in_live_graph() {
+    each_placement("validation_actor_already_in_live_graph", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let d1 = Dag::<u64>::new();
+        let g1 = d1.compile(a.echo(d1.input()), opts()).unwrap();
+        let d2 = Dag::<u64>::new();
+        let y2 = a.echo(b.echo(d2.input()));
+        let e = expect_err(d2.compile(y2.clone(), opts()), "actor in a live graph");
+        let (node, message) = compile_error(e, p);
+        assert_eq!(node, y2.describe(), "[{p:?}]");
+        assert!(
+            message.contains(a.name()),
+            "[{p:?}] names the actor: {message}"
+        );
+        assert!(
+            message.contains(&format!("#{}", g1.id())),
+            "[{p:?}] names the graph: {message}"
+        );
+        // The failed compile released b.
+        assert_eq!(b.call().echo(0).unwrap(), 2, "[{p:?}] b is free");
+        // g1 still works.
+        assert_eq!(g1.execute(5).unwrap().get().unwrap(), 6, "[{p:?}]");
+        g1.teardown().unwrap();
+        let g2 = d2.compile(y2, opts()).unwrap();
+        assert_eq!(g2.execute(5).unwrap().get().unwrap(), 8, "[{p:?}]");
+    });
+}
+
+#[test]
+fn validation_leaf_node() {
+    each_placement("validation_leaf_node", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let y = a.echo(&x);
+        let leaf = b.echo(&x);
+        let e = expect_err(dag.compile(y.clone(), opts()), "leaf");
+        let (node, message) = compile_error(e, p);
+        assert_eq!(node, leaf.describe(), "[{p:?}] {message}");
+        // Dropped, it no longer counts.
+        drop(leaf);
+        let g = dag.compile(y, opts()).unwrap();
+        assert_eq!(g.execute(1).unwrap().get().unwrap(), 2, "[{p:?}]");
+    });
+}
+
+#[test]
+fn validation_unused_input_part() {
+    each_placement("validation_unused_input_part", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<(u64, u64)>::new();
+        let input = dag.input();
+        let first = input.arg::<0>();
+        let _second = input.arg::<1>();
+        let y = a.echo(&first);
+        let e = expect_err(dag.compile(y.clone(), opts()), "unused part");
+        let (node, message) = compile_error(e, p);
+        assert_eq!(node, "input[1]", "[{p:?}] {message}");
+        drop(_second);
+        let g = dag.compile(y, opts()).unwrap();
+        assert_eq!(g.execute((4, 9)).unwrap().get().unwrap(), 5, "[{p:?}]");
+    });
+}
+
+#[test]
+fn validation_zero_inflight_rejected() {
+    each_placement("validation_zero_inflight_rejected", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let y = a.echo(dag.input());
+        let e = expect_err(
+            dag.compile(y.clone(), opts().max_inflight_executions(0)),
+            "max_inflight 0",
+        );
+        let (_node, message) = compile_error(e, p);
+        assert!(
+            message.contains("max_inflight_executions"),
+            "[{p:?}] {message}"
+        );
+        let g = dag.compile(y, opts()).unwrap();
+        assert_eq!(g.execute(1).unwrap().get().unwrap(), 2, "[{p:?}]");
+    });
+}
+
+// =======================================================================================
+// Execution
+// =======================================================================================
+
+#[test]
+fn execute_get_and_get_timeout() {
+    each_placement("execute_get_and_get_timeout", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 3);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.echo(dag.input()), opts()).unwrap();
+        let r0 = g.execute(1).unwrap();
+        let r1 = g.execute(2).unwrap();
+        assert_eq!((r0.execution(), r1.execution()), (0, 1), "[{p:?}]");
+        assert_eq!(r0.get().unwrap(), 4, "[{p:?}]");
+        assert_eq!(
+            r1.get_timeout(Duration::from_secs(5)).unwrap(),
+            5,
+            "[{p:?}]"
+        );
+        // get_timeout claims the value: the ref yields it once.
+        let e = expect_err(r1.get_timeout(Duration::from_secs(5)), "second get_timeout");
+        assert!(
+            matches!(
+                e,
+                Error::AlreadyClaimed {
+                    execution: 1,
+                    output: 0
+                }
+            ),
+            "[{p:?}] {e:?}"
+        );
+    });
+}
+
+#[test]
+fn get_all_and_tuple_refs() {
+    each_placement("get_all_and_tuple_refs", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        {
+            let dag = Dag::<u64>::new();
+            let g = dag.compile(a.echo(dag.input()), opts()).unwrap();
+            let refs: Vec<_> = (0..6).map(|i| g.execute(i).unwrap()).collect();
+            assert_eq!(get_all(refs).unwrap(), vec![1, 2, 3, 4, 5, 6], "[{p:?}]");
+            // A tuple of refs of different executions.
+            let r0 = g.execute(10).unwrap();
+            let r1 = g.execute(20).unwrap();
+            assert_eq!(get_all((r1, r0)).unwrap(), (21, 11), "[{p:?}]");
+        }
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let g = dag.compile((a.echo(&x), b.pair(&x)), opts()).unwrap();
+        let refs = g.execute(3).unwrap();
+        let (v, (n, s)) = RefSet::get(refs).unwrap();
+        assert_eq!((v, n, s.as_str()), (4, 5, "v3"), "[{p:?}]");
+        let many: Vec<_> = (0..4).map(|i| g.execute(i).unwrap()).collect();
+        let got = get_all(many).unwrap();
+        for (i, (v, (n, s))) in got.into_iter().enumerate() {
+            let i = i as u64;
+            assert_eq!((v, n, s), (i + 1, i + 2, format!("v{i}")), "[{p:?}]");
+        }
+    });
+}
+
+#[test]
+fn refs_claimed_out_of_order() {
+    each_placement("refs_claimed_out_of_order", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 10);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(b.echo(a.echo(dag.input())), opts()).unwrap();
+        let mut refs: Vec<Option<CompiledRef<u64>>> =
+            (0..6).map(|i| Some(g.execute(i * 100).unwrap())).collect();
+        for i in [3usize, 0, 5, 2, 1, 4] {
+            let r = refs[i].take().unwrap();
+            assert_eq!(r.get().unwrap(), i as u64 * 100 + 11, "[{p:?}] ref {i}");
+        }
+        // And the graph continues in order afterwards.
+        for i in 0..5 {
+            assert_eq!(g.execute(i).unwrap().get().unwrap(), i + 11, "[{p:?}]");
+        }
+    });
+}
+
+#[test]
+fn max_buffered_results_exceeded() {
+    each_placement("max_buffered_results_exceeded", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let o = opts().max_buffered_results(2).max_inflight_executions(10);
+        let g = dag.compile(a.echo(dag.input()), o).unwrap();
+        let refs: Vec<_> = (0..5).map(|i| g.execute(i).unwrap()).collect();
+        // Claiming ref 3 first must buffer results 0, 1, 2: one more than allowed.
+        let e = expect_err(refs[3].get_timeout(Duration::from_secs(10)), "buffer full");
+        assert!(
+            matches!(
+                e,
+                Error::CapacityExceeded {
+                    capacity: Capacity::BufferedResults,
+                    limit: 2
+                }
+            ),
+            "[{p:?}] {e:?}"
+        );
+        let mut refs = refs.into_iter();
+        let (r0, r1, r2, r3, r4) = (
+            refs.next().unwrap(),
+            refs.next().unwrap(),
+            refs.next().unwrap(),
+            refs.next().unwrap(),
+            refs.next().unwrap(),
+        );
+        // Claiming the buffered ones makes room; the refused ref is still valid.
+        assert_eq!(r0.get().unwrap(), 1, "[{p:?}]");
+        assert_eq!(r1.get().unwrap(), 2, "[{p:?}]");
+        assert_eq!(r3.get().unwrap(), 4, "[{p:?}] the refused ref, again");
+        assert_eq!(r2.get().unwrap(), 3, "[{p:?}]");
+        assert_eq!(r4.get().unwrap(), 5, "[{p:?}]");
+        for i in 10..15 {
+            assert_eq!(g.execute(i).unwrap().get().unwrap(), i + 1, "[{p:?}]");
+        }
+    });
+}
+
+#[test]
+fn max_inflight_exceeded_fails_at_once() {
+    each_placement("max_inflight_exceeded_fails_at_once", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let y = a.slow(dag.input(), 200u64);
+        let g = dag.compile(y, opts().max_inflight_executions(2)).unwrap();
+        let r0 = g.execute(0).unwrap();
+        let r1 = g.execute(1).unwrap();
+        let t = Instant::now();
+        let e = expect_err(g.execute(2), "third execution");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "[{p:?}] refused at once, took {:?}",
+            t.elapsed()
+        );
+        assert!(
+            matches!(
+                e,
+                Error::CapacityExceeded {
+                    capacity: Capacity::InflightExecutions,
+                    limit: 2
+                }
+            ),
+            "[{p:?}] {e:?}"
+        );
+        // Still refused while nothing was read.
+        assert!(
+            matches!(g.execute(2), Err(Error::CapacityExceeded { .. })),
+            "[{p:?}]"
+        );
+        assert_eq!(r0.get().unwrap(), 1, "[{p:?}]");
+        let r2 = g.execute(2).unwrap();
+        assert_eq!(r1.get().unwrap(), 2, "[{p:?}]");
+        assert_eq!(r2.get().unwrap(), 3, "[{p:?}]");
+    });
+}
+
+#[test]
+fn get_timeout_then_get_same_ref() {
+    each_placement("get_timeout_then_get_same_ref", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.slow(dag.input(), 600u64), opts()).unwrap();
+        let r = g.execute(41).unwrap();
+        let t = Instant::now();
+        let e = expect_err(r.get_timeout(Duration::from_millis(50)), "slow get_timeout");
+        let waited = t.elapsed();
+        assert!(matches!(e, Error::Timeout { .. }), "[{p:?}] {e:?}");
+        assert!(
+            waited >= Duration::from_millis(50),
+            "[{p:?}] returned early: {waited:?}"
+        );
+        assert!(
+            waited < Duration::from_millis(550),
+            "[{p:?}] returned late: {waited:?}"
+        );
+        assert_eq!(r.get().unwrap(), 42, "[{p:?}] the value after the timeout");
+        // A later execution is not shifted by the timed-out one.
+        assert_eq!(g.execute(1).unwrap().get().unwrap(), 2, "[{p:?}]");
+    });
+}
+
+#[test]
+fn clone_of_ref_claimed_twice() {
+    each_placement("clone_of_ref_claimed_twice", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.echo(dag.input()), opts()).unwrap();
+        let _ = g.execute(0).unwrap().get().unwrap();
+        let r = g.execute(5).unwrap();
+        let r2 = r.clone();
+        assert_eq!(r.get().unwrap(), 6, "[{p:?}]");
+        let e = expect_err(r2.get(), "clone claimed twice");
+        assert!(
+            matches!(
+                e,
+                Error::AlreadyClaimed {
+                    execution: 1,
+                    output: 0
+                }
+            ),
+            "[{p:?}] {e:?}"
+        );
+        // Clone claimed first, original second.
+        let r = g.execute(7).unwrap();
+        let r2 = r.clone();
+        assert_eq!(r2.get().unwrap(), 8, "[{p:?}]");
+        assert!(
+            matches!(r.get(), Err(Error::AlreadyClaimed { execution: 2, .. })),
+            "[{p:?}]"
+        );
+    });
+}
+
+#[test]
+fn dropped_refs_free_their_slots() {
+    each_placement("dropped_refs_free_their_slots", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag
+            .compile(a.echo(dag.input()), opts().max_inflight_executions(2))
+            .unwrap();
+        drop(g.execute(0).unwrap());
+        drop(g.execute(1).unwrap());
+        let r = g.execute(2).expect("a dropped ref frees its slot");
+        assert_eq!(r.get().unwrap(), 3, "[{p:?}]");
+        // Many rounds: the accounting does not drift.
+        for round in 0..50u64 {
+            drop(g.execute(round).unwrap());
+            drop(g.execute(round + 1).unwrap());
+            assert_eq!(
+                g.execute(round * 7).unwrap().get().unwrap(),
+                round * 7 + 1,
+                "[{p:?}] round {round}"
+            );
+        }
+        // Dropped after being read (buffered): its place is freed too.
+        let r0 = g.execute(100).unwrap();
+        let r1 = g.execute(101).unwrap();
+        assert_eq!(r1.get().unwrap(), 102, "[{p:?}]");
+        drop(r0);
+        assert_eq!(g.execute(103).unwrap().get().unwrap(), 104, "[{p:?}]");
+    });
+}
+
+#[test]
+fn dropped_ref_of_multi_output_keeps_the_others() {
+    each_placement("dropped_ref_of_multi_output_keeps_the_others", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let g = dag
+            .compile((a.echo(&x), b.echo(&x)), opts().max_inflight_executions(2))
+            .unwrap();
+        for i in 0..20 {
+            let (ra, rb) = g.execute(i).unwrap();
+            if i % 2 == 0 {
+                drop(ra);
+                assert_eq!(rb.get().unwrap(), i + 2, "[{p:?}]");
+            } else {
+                drop(rb);
+                assert_eq!(ra.get().unwrap(), i + 1, "[{p:?}]");
+            }
+        }
+    });
+}
+
+#[test]
+fn task_error_reported_and_downstream_skipped() {
+    each_placement("task_error_reported_and_downstream_skipped", |p| {
+        let rt = Runtime::new().unwrap();
+        let w = named_worker(&rt, p, "checker", 0);
+        let c = counter(&rt, p);
+        let dag = Dag::<u64>::new();
+        let checked = w.checked(dag.input());
+        let g = dag
+            .compile((checked.clone(), c.bump(&checked)), opts())
+            .unwrap();
+        assert_eq!(g.execute(1).unwrap().get().unwrap(), (1, 1), "[{p:?}]");
+        let (r_checked, r_bump) = g.execute(3).unwrap();
+        for (which, e) in [("checked", r_checked.get()), ("bump", r_bump.get())] {
+            match e {
+                Err(Error::Task {
+                    actor,
+                    method,
+                    message,
+                }) => {
+                    assert_eq!(actor, "checker", "[{p:?}] {which}");
+                    assert_eq!(method, "checked", "[{p:?}] {which}");
+                    assert!(
+                        message.contains("bad input 3"),
+                        "[{p:?}] {which}: {message}"
+                    );
+                }
+                other => panic!("[{p:?}] {which}: expected Error::Task, got {other:?}"),
+            }
+        }
+        // The downstream counter did not run for the failed execution.
+        assert_eq!(g.execute(4).unwrap().get().unwrap(), (4, 2), "[{p:?}]");
+        // Pipelined: an error between good executions.
+        let refs: Vec<_> = [5u64, 13, 6]
+            .iter()
+            .map(|i| g.execute(*i).unwrap())
+            .collect();
+        let mut refs = refs.into_iter();
+        assert_eq!(refs.next().unwrap().get().unwrap(), (5, 3), "[{p:?}]");
+        assert!(
+            matches!(RefSet::get(refs.next().unwrap()), Err(Error::Task { .. })),
+            "[{p:?}]"
+        );
+        assert_eq!(refs.next().unwrap().get().unwrap(), (6, 4), "[{p:?}]");
+        g.teardown().unwrap();
+        assert_eq!(c.call().count().unwrap(), 4, "[{p:?}] bump skipped twice");
+    });
+}
+
+#[test]
+fn panic_reported_and_graph_continues() {
+    each_placement("panic_reported_and_graph_continues", |p| {
+        let rt = Runtime::new().unwrap();
+        let w = named_worker(&rt, p, "bomber", 0);
+        let c = counter(&rt, p);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(c.bump(w.boom(dag.input())), opts()).unwrap();
+        assert_eq!(g.execute(1).unwrap().get().unwrap(), 1, "[{p:?}]");
+        match g.execute(13).unwrap().get() {
+            Err(Error::Task {
+                actor,
+                method,
+                message,
+            }) => {
+                assert_eq!(actor, "bomber", "[{p:?}]");
+                assert_eq!(method, "boom", "[{p:?}]");
+                assert!(message.contains("boom at 13"), "[{p:?}] {message}");
+            }
+            other => panic!("[{p:?}] expected Error::Task, got {other:?}"),
+        }
+        assert_eq!(
+            g.execute(2).unwrap().get().unwrap(),
+            2,
+            "[{p:?}] the actor survived"
+        );
+        g.teardown().unwrap();
+        assert_eq!(c.call().count().unwrap(), 2, "[{p:?}]");
+        assert_eq!(
+            w.call().boom(5).unwrap(),
+            5,
+            "[{p:?}] the actor still answers"
+        );
+        // A panic in a one-off call is an error too, not a crash.
+        assert!(
+            matches!(w.call().boom(13), Err(Error::Task { .. })),
+            "[{p:?}]"
+        );
+    });
+}
+
+#[test]
+fn one_off_call_err_is_task_error() {
+    each_placement("one_off_call_err_is_task_error", |p| {
+        let rt = Runtime::new().unwrap();
+        let w = named_worker(&rt, p, "solo", 0);
+        assert_eq!(w.call().checked(4).unwrap(), 4, "[{p:?}]");
+        match w.call().checked(23) {
+            Err(Error::Task {
+                actor,
+                method,
+                message,
+            }) => {
+                assert_eq!(
+                    (actor.as_str(), method.as_str()),
+                    ("solo", "checked"),
+                    "[{p:?}]"
+                );
+                assert!(message.contains("bad input 23"), "[{p:?}] {message}");
+            }
+            other => panic!("[{p:?}] expected Error::Task, got {other:?}"),
+        }
+    });
+}
+
+// =======================================================================================
+// Teardown
+// =======================================================================================
+
+#[test]
+fn teardown_explicit_and_idempotent() {
+    each_placement("teardown_explicit_and_idempotent", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.echo(dag.input()), opts()).unwrap();
+        assert_eq!(g.execute(1).unwrap().get().unwrap(), 2, "[{p:?}]");
+        g.teardown().unwrap();
+        g.teardown().expect("a second teardown is Ok");
+        let e = expect_err(g.execute(2), "execute after teardown");
+        assert!(matches!(e, Error::TornDown { .. }), "[{p:?}] {e:?}");
+        // The actor is free again.
+        assert_eq!(a.call().echo(5).unwrap(), 6, "[{p:?}]");
+        drop(g); // and dropping it after teardown is harmless
+        assert_eq!(a.call().calls().unwrap(), 2, "[{p:?}]");
+    });
+}
+
+#[test]
+fn teardown_on_drop_frees_actors() {
+    each_placement("teardown_on_drop_frees_actors", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 10);
+        {
+            let dag = Dag::<u64>::new();
+            let g = dag.compile(b.echo(a.echo(dag.input())), opts()).unwrap();
+            assert_eq!(g.execute(1).unwrap().get().unwrap(), 12, "[{p:?}]");
+            // Dropped with a result unclaimed.
+            let _pending = g.execute(2).unwrap();
+        }
+        assert_eq!(
+            a.call().echo(0).unwrap(),
+            1,
+            "[{p:?}] one-off call after drop"
+        );
+        // Both actors in a new graph, in the other order.
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.echo(b.echo(dag.input())), opts()).unwrap();
+        assert_eq!(g.execute(100).unwrap().get().unwrap(), 111, "[{p:?}]");
+    });
+}
+
+#[test]
+fn pending_get_after_teardown_is_an_error() {
+    each_placement("pending_get_after_teardown_is_an_error", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.slow(dag.input(), 300u64), opts()).unwrap();
+        let r = g.execute(1).unwrap();
+        g.teardown().unwrap();
+        let e = expect_err(r.get(), "pending get after teardown");
+        assert!(matches!(e, Error::TornDown { .. }), "[{p:?}] {e:?}");
+    });
+}
+
+#[test]
+fn teardown_wakes_a_blocked_get() {
+    each_placement("teardown_wakes_a_blocked_get", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.slow(dag.input(), 3000u64), opts()).unwrap();
+        let r = g.execute(1).unwrap();
+        let getter = std::thread::spawn(move || {
+            let res = r.get_timeout(Duration::from_secs(30));
+            (res, Instant::now())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let start = Instant::now();
+        let _ = g.teardown(); // waits for the slow method; the getter must not
+        let (res, woke) = getter.join().unwrap();
+        let e = expect_err(res, "blocked get at teardown");
+        assert!(matches!(e, Error::TornDown { .. }), "[{p:?}] {e:?}");
+        let after = woke.saturating_duration_since(start);
+        assert!(
+            after < Duration::from_millis(1500),
+            "[{p:?}] woken {after:?} after teardown began"
+        );
+    });
+}
+
+// =======================================================================================
+// Observability
+// =======================================================================================
+
+#[test]
+fn visualize_names_every_node() {
+    each_placement("visualize_names_every_node", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let c = worker(&rt, p, 3);
+        let dag = Dag::<(u64, u64)>::new();
+        let input = dag.input();
+        let x0 = input.arg::<0>();
+        let x1 = input.arg::<1>();
+        let pair = a.pair(&x0);
+        let (n, s) = pair.split();
+        let sum = b.add(&n, &x1);
+        let len = c.strlen(&s);
+        let g = dag.compile((sum.clone(), len.clone()), opts()).unwrap();
+        let dot = g.visualize();
+        assert!(dot.contains("digraph"), "[{p:?}] {dot}");
+        for name in [
+            x0.describe(),
+            x1.describe(),
+            pair.describe(),
+            n.describe(),
+            s.describe(),
+            sum.describe(),
+            len.describe(),
+        ] {
+            assert!(dot.contains(&name), "[{p:?}] DOT lacks {name}:\n{dot}");
+        }
+        assert_eq!(
+            g.execute((5, 100)).unwrap().get().unwrap(),
+            (108, 2),
+            "[{p:?}]"
+        );
+    });
+}
+
+// =======================================================================================
+// One-off calls
+// =======================================================================================
+
+#[test]
+fn one_off_calls_before_during_after_graph() {
+    each_placement("one_off_calls_before_during_after_graph", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let c = counter(&rt, p);
+        assert_eq!(a.call().add(1, 2).unwrap(), 4, "[{p:?}] before");
+        assert_eq!(c.call().count().unwrap(), 0, "[{p:?}]");
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(c.bump(a.echo(dag.input())), opts()).unwrap();
+        for i in 0..5 {
+            assert_eq!(g.execute(i).unwrap().get().unwrap(), i + 1, "[{p:?}]");
+        }
+        let e = expect_err(a.call().add(1, 2), "call during a live graph");
+        match e {
+            Error::ActorBusy { actor, graph } => {
+                assert_eq!(actor, a.name(), "[{p:?}]");
+                assert_eq!(graph, g.id(), "[{p:?}]");
+            }
+            other => panic!("[{p:?}] expected ActorBusy, got {other:?}"),
+        }
+        assert!(
+            matches!(c.call().count(), Err(Error::ActorBusy { .. })),
+            "[{p:?}]"
+        );
+        // The graph is unharmed by the refused call.
+        assert_eq!(g.execute(9).unwrap().get().unwrap(), 6, "[{p:?}]");
+        g.teardown().unwrap();
+        assert_eq!(a.call().add(1, 2).unwrap(), 4, "[{p:?}] after");
+        assert_eq!(
+            a.call().calls().unwrap(),
+            1 + 6 + 1,
+            "[{p:?}] state kept across the graph"
+        );
+        assert_eq!(c.call().count().unwrap(), 6, "[{p:?}]");
+    });
+}
+
+// =======================================================================================
+// Many executions
+// =======================================================================================
+
+#[test]
+fn ten_thousand_pipelined_executions() {
+    each_placement("ten_thousand_pipelined_executions", |p| {
+        const N: u64 = 10_000;
+        const INFLIGHT: usize = 8;
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 10);
+        let c = worker(&rt, p, 100);
+        let dag = Dag::<u64>::new();
+        let g = dag
+            .compile(
+                c.echo(b.echo(a.echo(dag.input()))),
+                opts().max_inflight_executions(INFLIGHT),
+            )
+            .unwrap();
+        let mut pending: VecDeque<(u64, CompiledRef<u64>)> = VecDeque::new();
+        let mut next = 0u64;
+        let mut checked = 0u64;
+        while checked < N {
+            if next < N {
+                match g.execute(next * 3) {
+                    Ok(r) => {
+                        pending.push_back((next, r));
+                        next += 1;
+                        continue;
+                    }
+                    Err(Error::CapacityExceeded {
+                        capacity: Capacity::InflightExecutions,
+                        ..
+                    }) => {
+                        assert_eq!(
+                            pending.len(),
+                            INFLIGHT,
+                            "[{p:?}] full at exactly max_inflight"
+                        );
+                    }
+                    Err(e) => panic!("[{p:?}] execute {next}: {e}"),
+                }
+            }
+            let (i, r) = pending.pop_front().unwrap();
+            assert_eq!(r.execution(), i, "[{p:?}]");
+            assert_eq!(r.get().unwrap(), i * 3 + 111, "[{p:?}] execution {i}");
+            checked += 1;
+        }
+        assert!(pending.is_empty());
+        g.teardown().unwrap();
+        assert_eq!(
+            b.call().calls().unwrap(),
+            N,
+            "[{p:?}] every execution ran once"
+        );
+    });
+}
+
+// =======================================================================================
+// More shapes and edge cases
+// =======================================================================================
+
+#[test]
+fn same_actor_reads_one_node_twice_and_outputs_its_own_intermediates() {
+    each_placement(
+        "same_actor_reads_one_node_twice_and_outputs_its_own_intermediates",
+        |p| {
+            let rt = Runtime::new().unwrap();
+            let a = worker(&rt, p, 1);
+            let b = worker(&rt, p, 10);
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let y = b.echo(&x);
+            let e1 = a.echo(&y); // y read by two tasks of a, and twice by one
+            let e2 = a.add(&y, &y);
+            let inner = a.echo(&x);
+            let outer = a.echo(&inner); // a's own result, also an output
+            let (n, s) = a.pair(&x).split();
+            let n2 = a.echo(&n); // a split element consumed by its own actor
+            let g = dag.compile((e1, e2, inner, outer, n2, s), opts()).unwrap();
+            for i in 0..10u64 {
+                let got = g.execute(i).unwrap().get().unwrap();
+                let want = (
+                    i + 11,
+                    2 * (i + 10) + 1,
+                    i + 1,
+                    i + 2,
+                    i + 2,
+                    format!("v{i}"),
+                );
+                assert_eq!(got, want, "[{p:?}] execution {i}");
+            }
+        },
+    );
+}
+
+#[test]
+fn error_propagates_through_chain_and_fan_in() {
+    each_placement("error_propagates_through_chain_and_fan_in", |p| {
+        let rt = Runtime::new().unwrap();
+        let w = named_worker(&rt, p, "check", 0);
+        let b = named_worker(&rt, p, "side", 5);
+        let mid = named_worker(&rt, p, "mid", 100);
+        let c = counter(&rt, p);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        // fan-in of a failing and a good branch, then a chain of two more tasks.
+        let joined = mid.combine(w.checked(&x), b.echo(&x));
+        let out = c.bump(mid.echo(&joined));
+        let g = dag.compile((joined, out), opts()).unwrap();
+        assert_eq!(g.execute(1).unwrap().get().unwrap(), (1006, 1), "[{p:?}]");
+        let (rj, ro) = g.execute(33).unwrap();
+        for (which, r) in [("joined", rj.get()), ("out", ro.get())] {
+            match r {
+                Err(Error::Task {
+                    actor,
+                    method,
+                    message,
+                }) => {
+                    assert_eq!(
+                        (actor.as_str(), method.as_str()),
+                        ("check", "checked"),
+                        "[{p:?}] {which}"
+                    );
+                    assert!(
+                        message.contains("bad input 33"),
+                        "[{p:?}] {which}: {message}"
+                    );
+                }
+                other => panic!(
+                    "[{p:?}] {which}: expected the task error of check.checked, got {other:?}"
+                ),
+            }
+        }
+        assert_eq!(g.execute(2).unwrap().get().unwrap(), (2007, 2), "[{p:?}]");
+        g.teardown().unwrap();
+        // mid.combine and mid.echo were skipped for the failed execution: 2 + 2 calls.
+        assert_eq!(mid.call().calls().unwrap(), 4, "[{p:?}]");
+        assert_eq!(
+            b.call().calls().unwrap(),
+            3,
+            "[{p:?}] the good branch ran every time"
+        );
+    });
+}
+
+#[test]
+fn get_past_default_timeout_then_next_execution() {
+    each_placement("get_past_default_timeout_then_next_execution", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let g = dag
+            .compile(
+                a.slow(&x, 400u64),
+                opts().get_timeout(Duration::from_millis(50)),
+            )
+            .unwrap();
+        let t = Instant::now();
+        let e = expect_err(g.execute(1).unwrap().get(), "get past get_timeout");
+        assert!(matches!(e, Error::Timeout { .. }), "[{p:?}] {e:?}");
+        assert!(
+            t.elapsed() < Duration::from_millis(350),
+            "[{p:?}] {:?}",
+            t.elapsed()
+        );
+        // The abandoned result must not be handed to the next execution's ref.
+        let r = g.execute(2).unwrap();
+        assert_eq!(
+            r.get_timeout(Duration::from_secs(10)).unwrap(),
+            3,
+            "[{p:?}]"
+        );
+    });
+}
+
+#[test]
+fn get_timeout_zero_and_unbounded() {
+    each_placement("get_timeout_zero_and_unbounded", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.echo(dag.input()), opts()).unwrap();
+        let r = g.execute(1).unwrap();
+        assert_eq!(
+            r.get_timeout(Duration::MAX).unwrap(),
+            2,
+            "[{p:?}] no deadline"
+        );
+        let r = g.execute(2).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        // The result is ready: a zero timeout returns it rather than timing out.
+        assert_eq!(
+            r.get_timeout(Duration::ZERO).unwrap(),
+            3,
+            "[{p:?}] zero timeout on a ready value"
+        );
+    });
+}
+
+#[test]
+fn timeout_part_way_through_a_multi_output_execution() {
+    each_placement("timeout_part_way_through_a_multi_output_execution", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let g = dag
+            .compile((a.echo(&x), b.slow(&x, 400u64), a.echo(&x)), opts())
+            .unwrap();
+        let (fast, slow, fast2) = g.execute(10).unwrap();
+        let e = expect_err(slow.get_timeout(Duration::from_millis(50)), "slow output");
+        assert!(matches!(e, Error::Timeout { .. }), "[{p:?}] {e:?}");
+        assert_eq!(
+            fast.get().unwrap(),
+            11,
+            "[{p:?}] output read before the timeout"
+        );
+        assert_eq!(slow.get().unwrap(), 12, "[{p:?}]");
+        assert_eq!(fast2.get().unwrap(), 11, "[{p:?}]");
+        let (f, s, f2) = g.execute(20).unwrap().get().unwrap();
+        assert_eq!((f, s, f2), (21, 22, 21), "[{p:?}] next execution in step");
+    });
+}
+
+#[test]
+fn dag_compiled_again_after_teardown() {
+    each_placement("dag_compiled_again_after_teardown", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let dag = Dag::<u64>::new();
+        let y = b.echo(a.echo(dag.input()));
+        for round in 0..3u64 {
+            let g = dag.compile(y.clone(), opts()).unwrap();
+            // Every compile starts again at execution 0 and with the actors' state kept.
+            let r = g.execute(round).unwrap();
+            assert_eq!(r.execution(), 0, "[{p:?}]");
+            assert_eq!(r.get().unwrap(), round + 3, "[{p:?}] round {round}");
+            let e = expect_err(dag.compile(y.clone(), opts()), "second live compile");
+            assert!(matches!(e, Error::Compile { .. }), "[{p:?}] {e:?}");
+            g.teardown().unwrap();
+        }
+        assert_eq!(a.call().calls().unwrap(), 3, "[{p:?}]");
+    });
+}
+
+#[test]
+fn failing_constructor_is_spawn_error() {
+    each_placement("failing_constructor_is_spawn_error", |p| {
+        let rt = Runtime::new().unwrap();
+        match rt.spawn_named::<Picky>(p, "picky", 0) {
+            Err(Error::Spawn { actor, message }) => {
+                assert_eq!(actor, "picky", "[{p:?}]");
+                assert!(message.contains("zero is not allowed"), "[{p:?}] {message}");
+            }
+            Err(other) => panic!("[{p:?}] expected Error::Spawn, got {other:?}"),
+            Ok(_) => panic!("[{p:?}] expected Error::Spawn, got an actor"),
+        }
+        let ok = rt.spawn::<Picky>(p, 4).unwrap();
+        assert_eq!(ok.call().value().unwrap(), 4, "[{p:?}]");
+    });
+}
+
+#[test]
+fn sync_execute_on_async_graph_is_wrong_mode() {
+    each_placement("sync_execute_on_async_graph_is_wrong_mode", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag
+            .compile(a.echo(dag.input()), opts().enable_asyncio(true))
+            .unwrap();
+        let e = expect_err(g.execute(1), "execute on an async graph");
+        assert!(matches!(e, Error::WrongMode { .. }), "[{p:?}] {e:?}");
+    });
+}
