@@ -42,7 +42,7 @@ fn process_chain() {
     assert_eq!(a.call().add(1).unwrap(), 2);
     let dag = Dag::<u64>::new();
     let out = c.add(b.add(a.add(dag.input())));
-    let g = dag.compile(out, CompileOptions::default()).unwrap();
+    let g = dag.compile(out.clone(), CompileOptions::default()).unwrap();
     let t = std::time::Instant::now();
     for i in 0..10000 {
         assert_eq!(g.execute(i).unwrap().get().unwrap(), i + 111);
@@ -51,7 +51,7 @@ fn process_chain() {
     g.teardown().unwrap();
     assert_eq!(a.call().add(1).unwrap(), 2);
     let pid = a.pid().unwrap();
-    drop((g, out, dag, a));
+    drop((g, out, dag, a, b, c));
     std::thread::sleep(std::time::Duration::from_millis(100));
     assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists());
 }
