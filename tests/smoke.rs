@@ -70,3 +70,28 @@ fn process_death() {
     println!("{e:?} after {:?}", t.elapsed());
     assert!(matches!(e, Err(adag::Error::ActorDied { .. })));
 }
+
+#[test]
+fn async_graph() {
+    let rt = Runtime::new().unwrap();
+    let a = rt.spawn::<Adder>(Placement::Process, 1).unwrap();
+    let dag = Dag::<u64>::new();
+    let out = a.add(dag.input());
+    // Compiled outside any runtime.
+    let g = dag
+        .compile(out, CompileOptions::default().enable_asyncio(true))
+        .unwrap();
+    assert!(matches!(g.execute(1), Err(adag::Error::WrongMode { .. })));
+    let tokio_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    tokio_rt.block_on(async {
+        let r = g.execute_async(1).await.unwrap();
+        assert_eq!(r.await.unwrap(), 2);
+        let mut refs = Vec::new();
+        for i in 0..8 {
+            refs.push(g.execute_async(i).await.unwrap());
+        }
+        for (i, r) in refs.into_iter().enumerate() {
+            assert_eq!(r.await.unwrap(), i as u64 + 1);
+        }
+    });
+}

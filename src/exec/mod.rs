@@ -12,7 +12,8 @@ use crate::dag::{AnyNode, IntoOutputs};
 use crate::error::{Capacity, Error, Result};
 use crate::value::Value;
 use crossbeam_channel::Receiver;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
+use std::task::{Context, Poll, Waker};
 use std::any::Any;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::marker::PhantomData;
@@ -20,9 +21,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+mod pump;
 mod refs;
 pub(crate) mod viz;
-pub use refs::{CompiledRef, ExecToken, RefSet, get_all};
+pub use refs::{CompiledRef, ExecToken, RefFuture, RefSet, get_all};
 
 /// The driver's endpoints in its own process.
 pub struct DriverIo {
@@ -92,11 +94,15 @@ struct DriverState<I> {
     buffer: BTreeMap<u64, Vec<Option<Box<dyn Any + Send>>>>,
     /// Refs dropped before their execution was read.
     dropped: HashSet<(u64, usize)>,
+    /// Async mode: futures waiting for a result, and the pump's submission tokens.
+    wakers: HashMap<(u64, usize), Waker>,
+    submitted: Option<crossbeam_channel::Sender<()>>,
 }
 
 /// What refs see of their graph.
 pub(crate) trait RefOwner: Send + Sync {
     fn fetch(&self, exec: u64, output: usize, timeout: Option<Duration>) -> Result<Box<dyn Any + Send>>;
+    fn poll_fetch(&self, exec: u64, output: usize, cx: &mut Context<'_>) -> Poll<Result<Box<dyn Any + Send>>>;
     fn release(&self, exec: u64, output: usize);
     fn describe_output(&self, output: usize) -> String;
 }
@@ -114,6 +120,8 @@ pub(crate) struct GraphShared<I> {
     death: Mutex<Option<Error>>,
     done: Mutex<Vec<(String, Receiver<String>)>>,
     dot: String,
+    /// Signalled when an async future claims a buffered result (room for the pump).
+    room: Condvar,
 }
 
 /// A compiled graph: execute it many times, then tear it down (also on drop).
@@ -278,6 +286,8 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
             partial_edges: 0,
             buffer: BTreeMap::new(),
             dropped: HashSet::new(),
+            wakers: HashMap::new(),
+            submitted: None,
         }),
         opts,
         plan,
@@ -289,7 +299,14 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
         death: Mutex::new(None),
         done: Mutex::new(done),
         dot,
+        room: Condvar::new(),
     });
+    if shared.opts.enable_asyncio {
+        pump::start(&shared).map_err(|e| {
+            let _ = shared.teardown_with(Some("the async result pump could not start".into()));
+            e
+        })?;
+    }
     let sink: Arc<dyn DeathSink> = shared.clone();
     crate::actor::worker::graphs().lock().insert(shared.id, Arc::downgrade(&sink));
     // A worker that died while the graph was being installed.
@@ -382,8 +399,12 @@ impl<I: Value> GraphShared<I> {
         let limit = self.opts.max_inflight_executions;
         let deadline = deadline_after(self.opts.submit_timeout);
         let n = self.output_labels.len();
-        // Results whose refs were all dropped free their slot here.
-        while st.next_exec - st.next_read >= limit as u64 && Self::all_dropped(&st, st.next_read, n) {
+        // Results whose refs were all dropped free their slot here (the async pump does it
+        // by itself).
+        while !self.opts.enable_asyncio
+            && st.next_exec - st.next_read >= limit as u64
+            && Self::all_dropped(&st, st.next_read, n)
+        {
             self.read_next(&mut st, deadline, self.opts.submit_timeout)?;
         }
         if st.next_exec - st.next_read >= limit as u64 {
@@ -413,6 +434,9 @@ impl<I: Value> GraphShared<I> {
             return Err(err);
         }
         st.next_exec += 1;
+        if let Some(tx) = &st.submitted {
+            let _ = tx.send(());
+        }
         Ok(ExecToken::new(self.clone() as Arc<dyn RefOwner>, exec))
     }
 
@@ -437,7 +461,12 @@ impl<I: Value> GraphShared<I> {
             st.edges.clear();
             st.buffer.clear();
             st.partial.clear();
+            st.submitted = None;
+            for (_, w) in st.wakers.drain() {
+                w.wake();
+            }
         }
+        self.room.notify_all();
         let deadline = Instant::now() + self.opts.teardown_timeout;
         let mut stuck = Vec::new();
         for (name, rx) in self.done.lock().drain(..) {
@@ -469,6 +498,11 @@ impl<I: Value> GraphShared<I> {
 
 impl<I: Value> RefOwner for GraphShared<I> {
     fn fetch(&self, exec: u64, output: usize, timeout: Option<Duration>) -> Result<Box<dyn Any + Send>> {
+        if self.opts.enable_asyncio {
+            return Err(Error::WrongMode {
+                message: "this graph was compiled with enable_asyncio; await the ref instead of calling get".into(),
+            });
+        }
         let mut st = self.state.lock();
         if let Some(entry) = st.buffer.get_mut(&exec) {
             if let Some(v) = entry[output].take() {
@@ -508,8 +542,37 @@ impl<I: Value> RefOwner for GraphShared<I> {
         }
     }
 
+    fn poll_fetch(&self, exec: u64, output: usize, cx: &mut Context<'_>) -> Poll<Result<Box<dyn Any + Send>>> {
+        if !self.opts.enable_asyncio {
+            return Poll::Ready(Err(Error::WrongMode {
+                message: "this graph was compiled without enable_asyncio; call get() instead of awaiting".into(),
+            }));
+        }
+        let mut st = self.state.lock();
+        if let Some(entry) = st.buffer.get_mut(&exec)
+            && let Some(v) = entry[output].take()
+        {
+            if entry.iter().all(Option::is_none) {
+                st.buffer.remove(&exec);
+            }
+            st.wakers.remove(&(exec, output));
+            drop(st);
+            self.room.notify_all();
+            return Poll::Ready(Ok(v));
+        }
+        if let Err(e) = self.check_live() {
+            return Poll::Ready(Err(e));
+        }
+        if exec < st.next_read {
+            return Poll::Ready(Err(Error::AlreadyClaimed { execution: exec, output }));
+        }
+        st.wakers.insert((exec, output), cx.waker().clone());
+        Poll::Pending
+    }
+
     fn release(&self, exec: u64, output: usize) {
         let mut st = self.state.lock();
+        st.wakers.remove(&(exec, output));
         if exec < st.next_read {
             if let Some(entry) = st.buffer.get_mut(&exec) {
                 entry[output] = None;
@@ -520,6 +583,8 @@ impl<I: Value> RefOwner for GraphShared<I> {
         } else {
             st.dropped.insert((exec, output));
         }
+        drop(st);
+        self.room.notify_all();
     }
 
     fn describe_output(&self, output: usize) -> String {
@@ -535,6 +600,20 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
         if self.shared.opts.enable_asyncio {
             return Err(Error::WrongMode {
                 message: "this graph was compiled with enable_asyncio; call execute_async(..).await".into(),
+            });
+        }
+        let token = self.shared.execute(&input)?;
+        Ok(self.outputs.make_refs(&token, 0).0)
+    }
+
+    /// Submit one execution from async code (graphs compiled with `enable_asyncio`). The
+    /// returned refs are awaited: `graph.execute_async(x).await?.await?`. No thread is
+    /// blocked per pending execution: one result pump per graph reads the outputs and wakes
+    /// the waiting tasks.
+    pub async fn execute_async(&self, input: I) -> Result<O::Refs> {
+        if !self.shared.opts.enable_asyncio {
+            return Err(Error::WrongMode {
+                message: "this graph was compiled without enable_asyncio; call execute() or compile with CompileOptions::enable_asyncio(true)".into(),
             });
         }
         let token = self.shared.execute(&input)?;

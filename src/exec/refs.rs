@@ -106,12 +106,20 @@ impl<T: Value> CompiledRef<T> {
         let value = match inner.owner.fetch(inner.exec, inner.output, timeout) {
             Ok(v) => v,
             Err(e) => {
-                if matches!(e, Error::Timeout { .. } | Error::CapacityExceeded { .. }) {
+                if matches!(
+                    e,
+                    Error::Timeout { .. } | Error::CapacityExceeded { .. } | Error::WrongMode { .. }
+                ) {
                     inner.claimed.store(false, Ordering::Release);
                 }
                 return Err(e);
             }
         };
+        self.unpack(value)
+    }
+
+    fn unpack(&self, value: Box<dyn std::any::Any + Send>) -> Result<T> {
+        let inner = &self.inner;
         match value.downcast::<Msg<T>>() {
             Ok(msg) => match *msg {
                 Msg::Value(v) => Ok(v),
@@ -123,6 +131,61 @@ impl<T: Value> CompiledRef<T> {
                 place: inner.owner.describe_output(inner.output),
                 message: "the output carries another type".into(),
             }),
+        }
+    }
+}
+
+/// The future of a ref in a graph compiled with `enable_asyncio` (Ray's `CompiledDAGFuture`).
+/// Dropping it before it resolves frees the result's place and loses nothing for the other
+/// executions.
+pub struct RefFuture<T> {
+    r: CompiledRef<T>,
+    started: bool,
+    finished: bool,
+}
+
+impl<T: Value> std::future::Future for RefFuture<T> {
+    type Output = Result<T>;
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<T>> {
+        let this = &mut *self;
+        let inner = &this.r.inner;
+        if !this.started {
+            if inner.claimed.swap(true, Ordering::AcqRel) {
+                return std::task::Poll::Ready(Err(Error::AlreadyClaimed {
+                    execution: inner.exec,
+                    output: inner.output,
+                }));
+            }
+            this.started = true;
+        }
+        match inner.owner.poll_fetch(inner.exec, inner.output, cx) {
+            std::task::Poll::Pending => std::task::Poll::Pending,
+            std::task::Poll::Ready(r) => {
+                this.finished = true;
+                std::task::Poll::Ready(r.and_then(|v| this.r.unpack(v)))
+            }
+        }
+    }
+}
+
+impl<T> Drop for RefFuture<T> {
+    fn drop(&mut self) {
+        // A future dropped before it resolved gives its result up (the claim was taken, so
+        // the ref's own drop would not).
+        if self.started && !self.finished {
+            self.r.inner.owner.release(self.r.inner.exec, self.r.inner.output);
+        }
+    }
+}
+
+impl<T: Value> std::future::IntoFuture for CompiledRef<T> {
+    type Output = Result<T>;
+    type IntoFuture = RefFuture<T>;
+    fn into_future(self) -> RefFuture<T> {
+        RefFuture {
+            r: self,
+            started: false,
+            finished: false,
         }
     }
 }

@@ -117,6 +117,21 @@ impl Worker {
     pub fn log(&self) -> Vec<String> {
         self.log.clone()
     }
+
+    /// `n` bytes: byte `i` is `(i + k) % 251`.
+    pub fn fill(&mut self, n: u64) -> Vec<u8> {
+        (0..n).map(|i| ((i + self.k) % 251) as u8).collect()
+    }
+
+    /// `(length, sum of the bytes)` of a buffer.
+    pub fn digest(&mut self, v: Vec<u8>) -> (u64, u64) {
+        (v.len() as u64, v.iter().map(|b| *b as u64).sum())
+    }
+}
+
+/// What `Worker(k).fill(n)` then `digest` gives.
+pub fn fill_digest(n: u64, k: u64) -> (u64, u64) {
+    (n, (0..n).map(|i| (i + k) % 251).sum())
 }
 
 /// A counter built with `Default` (no `new`): `bump` returns how many times it ran.

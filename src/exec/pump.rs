@@ -1,0 +1,67 @@
+//! The result pump of an async graph: one thread per graph reads every execution's outputs
+//! as they arrive, buffers them (up to `max_buffered_results`) and wakes the tasks awaiting
+//! them. Futures therefore work on any executor and in any runtime, including one that did
+//! not exist when the graph was compiled; no thread is blocked per pending execution.
+use super::GraphShared;
+use crate::error::{Error, Result};
+use crate::value::Value;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+pub(super) fn start<I: Value>(shared: &Arc<GraphShared<I>>) -> Result<()> {
+    let (tx, rx) = crossbeam_channel::unbounded::<()>();
+    let edges = {
+        let mut st = shared.state.lock();
+        st.submitted = Some(tx);
+        std::mem::take(&mut st.edges)
+    };
+    let weak: Weak<GraphShared<I>> = Arc::downgrade(shared);
+    std::thread::Builder::new()
+        .name(format!("adag-pump-{}", shared.id))
+        .spawn(move || run(weak, rx, edges))
+        .map(|_| ())
+        .map_err(|e| Error::io("starting the async result pump", e))
+}
+
+fn run<I: Value>(weak: Weak<GraphShared<I>>, submitted: crossbeam_channel::Receiver<()>, mut edges: Vec<super::OutputEdge>) {
+    let n_outputs: usize = edges.iter().map(|e| e.outputs.len()).sum();
+    while submitted.recv().is_ok() {
+        let Some(shared) = weak.upgrade() else { return };
+        // Wait for room in the result buffer: results stay in the channels meanwhile, which
+        // counts them as in flight, as in sync mode.
+        {
+            let mut st = shared.state.lock();
+            while st.buffer.len() >= shared.opts.max_buffered_results && !shared.torn.load(std::sync::atomic::Ordering::Acquire) {
+                shared.room.wait_for(&mut st, Duration::from_millis(100));
+            }
+        }
+        let mut results: Vec<Option<Box<dyn std::any::Any + Send>>> = (0..n_outputs).map(|_| None).collect();
+        for edge in edges.iter_mut() {
+            // Blocks until the value arrives or the graph's channels close.
+            match edge.reader.read(edge.outputs.len(), None) {
+                Ok(values) => {
+                    for (out, v) in edge.outputs.iter().zip(values) {
+                        results[*out] = Some(v);
+                    }
+                }
+                Err(_) => return,
+            }
+        }
+        let mut st = shared.state.lock();
+        let exec = st.next_read;
+        st.next_read += 1;
+        for (out, r) in results.iter_mut().enumerate() {
+            if st.dropped.remove(&(exec, out)) {
+                *r = None;
+            }
+        }
+        let wake: Vec<_> = (0..n_outputs).filter_map(|o| st.wakers.remove(&(exec, o))).collect();
+        if results.iter().any(Option::is_some) {
+            st.buffer.insert(exec, results);
+        }
+        drop(st);
+        for w in wake {
+            w.wake();
+        }
+    }
+}
