@@ -933,7 +933,7 @@ fn get_timeout_then_get_same_ref() {
         let rt = Runtime::new().unwrap();
         let a = worker(&rt, p, 1);
         let dag = Dag::<u64>::new();
-        let g = dag.compile(a.slow(dag.input(), 600u64), opts()).unwrap();
+        let g = dag.compile(a.slow(dag.input(), 1500u64), opts()).unwrap();
         let r = g.execute(41).unwrap();
         let t = Instant::now();
         let e = expect_err(r.get_timeout(Duration::from_millis(50)), "slow get_timeout");
@@ -944,7 +944,7 @@ fn get_timeout_then_get_same_ref() {
             "[{p:?}] returned early: {waited:?}"
         );
         assert!(
-            waited < Duration::from_millis(550),
+            waited < Duration::from_millis(1200),
             "[{p:?}] returned late: {waited:?}"
         );
         assert_eq!(r.get().unwrap(), 42, "[{p:?}] the value after the timeout");
@@ -1483,7 +1483,7 @@ fn get_past_default_timeout_then_next_execution() {
         let x = dag.input();
         let g = dag
             .compile(
-                a.slow(&x, 400u64),
+                a.slow(&x, 1200u64),
                 opts().get_timeout(Duration::from_millis(50)),
             )
             .unwrap();
@@ -1491,7 +1491,7 @@ fn get_past_default_timeout_then_next_execution() {
         let e = expect_err(g.execute(1).unwrap().get(), "get past get_timeout");
         assert!(matches!(e, Error::Timeout { .. }), "[{p:?}] {e:?}");
         assert!(
-            t.elapsed() < Duration::from_millis(350),
+            t.elapsed() < Duration::from_millis(1000),
             "[{p:?}] {:?}",
             t.elapsed()
         );
@@ -1665,14 +1665,15 @@ fn killed_worker_fails_pending_and_later_calls() {
             }
         }
         g.teardown().expect("teardown after a death is Ok");
+        // The surviving actor is released by the teardown the death started: soon, if not at
+        // once (that teardown() does not wait for it is the ignored
+        // `teardown_after_death_waits_for_the_release`).
         let t = Instant::now();
         while matches!(b.call().echo(1), Err(Error::ActorBusy { .. }))
-            && t.elapsed() < Duration::from_secs(20)
+            && t.elapsed() < Duration::from_secs(5)
         {
-            std::thread::sleep(Duration::from_millis(10));
+            std::thread::sleep(Duration::from_millis(5));
         }
-        eprintln!("DEBUG busy for {:?}", t.elapsed());
-        // The surviving actor was released by the teardown.
         assert_eq!(
             b.call().echo(1).unwrap(),
             11,
@@ -1723,6 +1724,8 @@ fn sync_execute_on_async_graph_is_wrong_mode() {
     });
 }
 
+type DigestRefs = (CompiledRef<(u64, u64)>, CompiledRef<Vec<u8>>);
+
 #[test]
 fn messages_larger_than_a_slot_grow_the_channel() {
     each_placement("messages_larger_than_a_slot_grow_the_channel", |p| {
@@ -1742,8 +1745,7 @@ fn messages_larger_than_a_slot_grow_the_channel() {
         let mut pending = VecDeque::new();
         for n in sizes {
             if pending.len() == 4 {
-                let (n, r): (u64, (CompiledRef<(u64, u64)>, CompiledRef<Vec<u8>>)) =
-                    pending.pop_front().unwrap();
+                let (n, r): (u64, DigestRefs) = pending.pop_front().unwrap();
                 let (d, v) = r.get().unwrap();
                 assert_eq!(d, fill_digest(n, 3), "[{p:?}] size {n}");
                 assert_eq!(v.len() as u64, n, "[{p:?}] size {n}");
@@ -1784,11 +1786,23 @@ fn message_over_the_ceiling_is_a_clear_error() {
             "[{p:?}]"
         );
         let e = expect_err(g.execute(200_000).and_then(|r| r.get()), "over the ceiling");
-        assert!(
-            matches!(e, Error::MessageTooLarge { .. })
-                || e.to_string().contains("exceeds the ceiling"),
-            "[{p:?}] {e:?}"
-        );
+        // Either the typed error or the producing task's error naming the ceiling.
+        match &e {
+            Error::MessageTooLarge { size, limit, .. } => {
+                assert_eq!(*limit, 64 * 1024, "[{p:?}]");
+                assert!(*size > 200_000, "[{p:?}] {size}");
+            }
+            Error::Task {
+                method, message, ..
+            } => {
+                assert_eq!(method, "fill", "[{p:?}]");
+                assert!(
+                    message.contains("ceiling") && message.contains("65536"),
+                    "[{p:?}] {message}"
+                );
+            }
+            other => panic!("[{p:?}] expected MessageTooLarge, got {other:?}"),
+        }
         // The graph keeps working for messages under the ceiling.
         assert_eq!(
             g.execute(2000).unwrap().get().unwrap(),
@@ -1823,5 +1837,133 @@ fn mixed_placements_in_one_graph() {
             assert_eq!(b, i + 11, "process node read by the driver");
             assert_eq!(e, 1000 * (i + 111) + (i + 1011), "mixed diamond");
         }
+    });
+}
+
+#[test]
+fn error_of_a_split_source_reaches_every_element() {
+    each_placement("error_of_a_split_source_reaches_every_element", |p| {
+        let rt = Runtime::new().unwrap();
+        let w = named_worker(&rt, p, "splitter", 1);
+        let b = worker(&rt, p, 10);
+        let c = worker(&rt, p, 0);
+        let dag = Dag::<u64>::new();
+        let (n, s) = w.try_pair(dag.input()).split();
+        let g = dag.compile((b.echo(&n), c.strlen(&s)), opts()).unwrap();
+        assert_eq!(g.execute(5).unwrap().get().unwrap(), (16, 2), "[{p:?}]");
+        let (rn, rs) = g.execute(23).unwrap();
+        for (which, r) in [("n", rn.get()), ("s", rs.get())] {
+            match r {
+                Err(Error::Task {
+                    actor,
+                    method,
+                    message,
+                }) => {
+                    assert_eq!(
+                        (actor.as_str(), method.as_str()),
+                        ("splitter", "try_pair"),
+                        "[{p:?}] {which}"
+                    );
+                    assert!(
+                        message.contains("bad pair 23"),
+                        "[{p:?}] {which}: {message}"
+                    );
+                }
+                other => panic!("[{p:?}] {which}: expected Error::Task, got {other:?}"),
+            }
+        }
+        assert_eq!(g.execute(100).unwrap().get().unwrap(), (111, 4), "[{p:?}]");
+    });
+}
+
+#[test]
+fn ref_outliving_its_dropped_graph() {
+    each_placement("ref_outliving_its_dropped_graph", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.echo(dag.input()), opts()).unwrap();
+        let r = g.execute(1).unwrap();
+        drop(g);
+        let e = expect_err(r.get(), "ref of a dropped graph");
+        assert!(matches!(e, Error::TornDown { .. }), "[{p:?}] {e:?}");
+        assert_eq!(a.call().echo(1).unwrap(), 2, "[{p:?}]");
+    });
+}
+
+#[test]
+fn timeout_on_a_later_ref_while_an_earlier_one_is_slow() {
+    each_placement("timeout_on_a_later_ref_while_an_earlier_one_is_slow", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<(u64, u64)>::new();
+        let input = dag.input();
+        let g = dag
+            .compile(a.slow(input.arg::<0>(), input.arg::<1>()), opts())
+            .unwrap();
+        let r0 = g.execute((0, 400)).unwrap();
+        let r1 = g.execute((1, 0)).unwrap();
+        let e = expect_err(r1.get_timeout(Duration::from_millis(50)), "later ref");
+        assert!(matches!(e, Error::Timeout { .. }), "[{p:?}] {e:?}");
+        assert_eq!(r1.get().unwrap(), 2, "[{p:?}]");
+        assert_eq!(r0.get().unwrap(), 1, "[{p:?}]");
+        assert_eq!(g.execute((5, 0)).unwrap().get().unwrap(), 6, "[{p:?}]");
+    });
+}
+
+#[test]
+fn execute_and_get_from_several_threads() {
+    each_placement("execute_and_get_from_several_threads", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 10);
+        let dag = Dag::<u64>::new();
+        let g = std::sync::Arc::new(dag.compile(b.echo(a.echo(dag.input())), opts()).unwrap());
+        let threads: Vec<_> = (0..4u64)
+            .map(|t| {
+                let g = g.clone();
+                std::thread::spawn(move || {
+                    for i in 0..300u64 {
+                        let x = t * 1_000_000 + i;
+                        let v = g.execute(x).unwrap().get().unwrap();
+                        assert_eq!(v, x + 11, "thread {t} execution {i}");
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+        }
+        assert_eq!(g.execute(7).unwrap().get().unwrap(), 18, "[{p:?}]");
+    });
+}
+
+#[test]
+#[ignore = "BUG: execute blocks for as long as another thread's get waits (GraphShared::fetch holds the driver state lock while blocked in read_next), past submit_timeout"]
+fn execute_is_not_blocked_by_a_get_on_another_thread() {
+    each_placement("execute_is_not_blocked_by_a_get_on_another_thread", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<(u64, u64)>::new();
+        let input = dag.input();
+        let g = std::sync::Arc::new(
+            dag.compile(
+                a.slow(input.arg::<0>(), input.arg::<1>()),
+                opts().submit_timeout(Duration::from_millis(100)),
+            )
+            .unwrap(),
+        );
+        let r0 = g.execute((0, 1500)).unwrap();
+        let getter = std::thread::spawn(move || r0.get());
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        let r1 = g.execute((1, 0));
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_millis(600),
+            "[{p:?}] execute took {took:?} with submit_timeout 100 ms, while another thread waited in get"
+        );
+        assert_eq!(getter.join().unwrap().unwrap(), 1, "[{p:?}]");
+        assert_eq!(r1.unwrap().get().unwrap(), 2, "[{p:?}]");
     });
 }

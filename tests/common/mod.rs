@@ -72,6 +72,15 @@ impl Worker {
         }
     }
 
+    /// A fallible tuple result: fails like `checked`, else `(x + k, "v{x}")`.
+    pub fn try_pair(&mut self, x: u64) -> Result<(u64, String), String> {
+        if x % 10 == 3 {
+            Err(format!("bad pair {x}"))
+        } else {
+            Ok((x + self.k, format!("v{x}")))
+        }
+    }
+
     /// Panics for `x == 13`.
     pub fn boom(&mut self, x: u64) -> u64 {
         if x == 13 {
