@@ -1595,7 +1595,7 @@ fn failing_constructor_is_spawn_error() {
 }
 
 #[test]
-#[ignore = "BUG: process actor: new()'s Err text is lost when the worker's exit is seen before its Spawned reply (worker.rs monitor fail_waiters races read_replies)"]
+
 fn failing_constructor_message_reaches_the_driver() {
     each_placement("failing_constructor_message_reaches_the_driver", |p| {
         let rt = Runtime::new().unwrap();
@@ -1683,7 +1683,7 @@ fn killed_worker_fails_pending_and_later_calls() {
 }
 
 #[test]
-#[ignore = "BUG: teardown() returns Ok while the teardown started by an actor's death is still running, so the surviving actors are still ActorBusy (exec/mod.rs teardown_with: `torn.swap` early return)"]
+
 fn teardown_after_death_waits_for_the_release() {
     each_placement("teardown_after_death_waits_for_the_release", |p| {
         if p != Placement::Process {
@@ -1939,7 +1939,7 @@ fn execute_and_get_from_several_threads() {
 }
 
 #[test]
-#[ignore = "BUG: execute blocks for as long as another thread's get waits (GraphShared::fetch holds the driver state lock while blocked in read_next), past submit_timeout"]
+
 fn execute_is_not_blocked_by_a_get_on_another_thread() {
     each_placement("execute_is_not_blocked_by_a_get_on_another_thread", |p| {
         let rt = Runtime::new().unwrap();

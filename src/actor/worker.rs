@@ -184,6 +184,7 @@ impl ProcessLink {
             live_graph,
         });
         let (exited_tx, exited) = crossbeam_channel::bounded(1);
+        let (reader_done_tx, reader_done) = crossbeam_channel::bounded::<()>(1);
         // Monitor: reap the child the moment it exits and tell whoever waits on it.
         let monitor = shared.clone();
         std::thread::Builder::new()
@@ -191,6 +192,10 @@ impl ProcessLink {
             .spawn(move || {
                 let reason = child.wait().map_or_else(|e| format!("waiting for it failed: {e}"), exit_reason);
                 *monitor.dead.lock() = Some(reason.clone());
+                // Replies the worker sent just before it exited are delivered first: the
+                // reader reaches the end of the socket at once, since the worker's end is
+                // closed with it (bounded, in case a grandchild inherited that end).
+                let _ = reader_done.recv_timeout(Duration::from_millis(200));
                 monitor.fail_waiters();
                 let graph = *monitor.live_graph.lock();
                 if let Some(g) = graph {
@@ -206,7 +211,10 @@ impl ProcessLink {
         let reader = shared.clone();
         std::thread::Builder::new()
             .name(format!("adag-link-{name}"))
-            .spawn(move || read_replies(&reader))
+            .spawn(move || {
+                read_replies(&reader);
+                drop(reader_done_tx);
+            })
             .map_err(|e| spawn_err(format!("cannot start the reader thread: {e}")))?;
         let link = ProcessLink {
             pid,

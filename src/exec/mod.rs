@@ -18,7 +18,7 @@ use std::any::Any;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 mod pump;
@@ -83,20 +83,30 @@ struct OutputEdge {
     outputs: Vec<usize>,
 }
 
-struct DriverState<I> {
+/// The submitting side: held by `execute` only, never while waiting for results.
+struct SubmitState<I> {
     feeders: Vec<Box<dyn Feeder<I>>>,
+    /// Async mode: tells the result pump that one more execution is on its way.
+    submitted: Option<crossbeam_channel::Sender<()>>,
+}
+
+/// The reading side: held while a `get` waits on the output channels.
+pub(crate) struct ReadState {
     edges: Vec<OutputEdge>,
-    next_exec: u64,
-    next_read: u64,
     /// Outputs of execution `next_read` read so far (it may be read edge by edge across timeouts).
     partial: Vec<Option<Box<dyn Any + Send>>>,
     partial_edges: usize,
-    buffer: BTreeMap<u64, Vec<Option<Box<dyn Any + Send>>>>,
+}
+
+type Results = Vec<Option<Box<dyn Any + Send>>>;
+
+/// Results read but not claimed: short critical sections only.
+pub(crate) struct ResultState {
+    buffer: BTreeMap<u64, Results>,
     /// Refs dropped before their execution was read.
     dropped: HashSet<(u64, usize)>,
-    /// Async mode: futures waiting for a result, and the pump's submission tokens.
+    /// Async mode: futures waiting for a result.
     wakers: HashMap<(u64, usize), Waker>,
-    submitted: Option<crossbeam_channel::Sender<()>>,
 }
 
 /// What refs see of their graph.
@@ -114,13 +124,19 @@ pub(crate) struct GraphShared<I> {
     chans: Arc<ProcChannels>,
     actors: Vec<HandleCore>,
     output_labels: Vec<String>,
-    state: Mutex<DriverState<I>>,
+    submit: Mutex<SubmitState<I>>,
+    reader: Mutex<ReadState>,
+    results: Mutex<ResultState>,
+    next_exec: AtomicU64,
+    next_read: AtomicU64,
+    teardown_lock: Mutex<()>,
     torn: AtomicBool,
     torn_reason: Mutex<Option<String>>,
     death: Mutex<Option<Error>>,
     done: Mutex<Vec<(String, Receiver<String>)>>,
     dot: String,
-    /// Signalled when an async future claims a buffered result (room for the pump).
+    /// Signalled (with `results`) when a buffered result is claimed or dropped: room for the
+    /// async pump.
     room: Condvar,
 }
 
@@ -277,18 +293,23 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
     let dot = viz::dot(&plan, &nodes);
     let shared = Arc::new(GraphShared {
         id: plan.graph,
-        state: Mutex::new(DriverState {
+        submit: Mutex::new(SubmitState {
             feeders,
+            submitted: None,
+        }),
+        reader: Mutex::new(ReadState {
             edges,
-            next_exec: 0,
-            next_read: 0,
             partial: Vec::new(),
             partial_edges: 0,
+        }),
+        results: Mutex::new(ResultState {
             buffer: BTreeMap::new(),
             dropped: HashSet::new(),
             wakers: HashMap::new(),
-            submitted: None,
         }),
+        next_exec: AtomicU64::new(0),
+        next_read: AtomicU64::new(0),
+        teardown_lock: Mutex::new(()),
         opts,
         plan,
         chans,
@@ -353,15 +374,17 @@ impl<I: Value> GraphShared<I> {
     }
 
     /// Read the outputs of execution `next_read`, keeping what is read across timeouts.
-    fn read_next(&self, st: &mut DriverState<I>, deadline: Option<Instant>, timeout: Duration) -> Result<Vec<Option<Box<dyn Any + Send>>>> {
+    /// When that execution is `want.0`, returns output `want.1`; every other result read is
+    /// buffered unless its ref was dropped.
+    fn read_next(&self, rs: &mut ReadState, deadline: Option<Instant>, timeout: Duration, want: Option<(u64, usize)>) -> Result<Option<Box<dyn Any + Send>>> {
         let n_outputs = self.output_labels.len();
-        if st.partial.is_empty() {
-            st.partial = (0..n_outputs).map(|_| None).collect();
-            st.partial_edges = 0;
+        if rs.partial.is_empty() {
+            rs.partial = (0..n_outputs).map(|_| None).collect();
+            rs.partial_edges = 0;
         }
-        let exec = st.next_read;
-        while st.partial_edges < st.edges.len() {
-            let edge = &mut st.edges[st.partial_edges];
+        let exec = self.next_read.load(Ordering::Acquire);
+        while rs.partial_edges < rs.edges.len() {
+            let edge = &mut rs.edges[rs.partial_edges];
             let copies = edge.outputs.len();
             let values = edge.reader.read(copies, deadline).map_err(|e| {
                 let label = self.output_labels[edge.outputs[0]].clone();
@@ -372,51 +395,93 @@ impl<I: Value> GraphShared<I> {
                     "raise the timeout (get_timeout, CompileOptions::get_timeout) if the execution is expected to take that long; otherwise it may be hanging",
                 )
             })?;
-            for (out, v) in edge.outputs.clone().into_iter().zip(values) {
-                st.partial[out] = Some(v);
+            for (out, v) in edge.outputs.iter().zip(values) {
+                rs.partial[*out] = Some(v);
             }
-            st.partial_edges += 1;
+            rs.partial_edges += 1;
         }
-        st.next_read += 1;
-        st.partial_edges = 0;
-        let mut results = std::mem::take(&mut st.partial);
-        for (out, r) in results.iter_mut().enumerate() {
-            if st.dropped.remove(&(exec, out)) {
-                *r = None;
-            }
-        }
-        Ok(results)
+        rs.partial_edges = 0;
+        let results = std::mem::take(&mut rs.partial);
+        Ok(self.store(exec, results, want))
     }
 
-    fn all_dropped(st: &DriverState<I>, exec: u64, n: usize) -> bool {
-        (0..n).all(|o| st.dropped.contains(&(exec, o)))
+    /// File one execution's results: drop those whose refs are gone, hand `want` back,
+    /// buffer the rest and wake their futures.
+    fn store(&self, exec: u64, mut results: Results, want: Option<(u64, usize)>) -> Option<Box<dyn Any + Send>> {
+        let mut r = self.results.lock();
+        self.next_read.store(exec + 1, Ordering::Release);
+        for (out, v) in results.iter_mut().enumerate() {
+            if r.dropped.remove(&(exec, out)) {
+                *v = None;
+            }
+        }
+        let wanted = match want {
+            Some((e, out)) if e == exec => results[out].take(),
+            _ => None,
+        };
+        let wake: Vec<Waker> = (0..results.len()).filter_map(|o| r.wakers.remove(&(exec, o))).collect();
+        if results.iter().any(Option::is_some) {
+            r.buffer.insert(exec, results);
+        }
+        drop(r);
+        for w in wake {
+            w.wake();
+        }
+        wanted
+    }
+
+    fn take_from(r: &mut ResultState, exec: u64, output: usize) -> Option<Box<dyn Any + Send>> {
+        let entry = r.buffer.get_mut(&exec)?;
+        let v = entry[output].take()?;
+        if entry.iter().all(Option::is_none) {
+            r.buffer.remove(&exec);
+        }
+        Some(v)
+    }
+
+    fn take_buffered(&self, exec: u64, output: usize) -> Option<Box<dyn Any + Send>> {
+        let v = Self::take_from(&mut self.results.lock(), exec, output);
+        if v.is_some() {
+            self.room.notify_all();
+        }
+        v
+    }
+
+    fn all_dropped(&self, exec: u64) -> bool {
+        let r = self.results.lock();
+        (0..self.output_labels.len()).all(|o| r.dropped.contains(&(exec, o)))
+    }
+
+    fn in_flight(&self) -> u64 {
+        self.next_exec.load(Ordering::Acquire) - self.next_read.load(Ordering::Acquire)
     }
 
     fn execute(self: &Arc<Self>, input: &I) -> Result<ExecToken> {
         self.check_live()?;
-        let mut st = self.state.lock();
+        let mut sub = self.submit.lock();
         self.check_live()?;
-        let limit = self.opts.max_inflight_executions;
+        let limit = self.opts.max_inflight_executions as u64;
         let deadline = deadline_after(self.opts.submit_timeout);
-        let n = self.output_labels.len();
-        // Results whose refs were all dropped free their slot here (the async pump does it
-        // by itself).
-        while !self.opts.enable_asyncio
-            && st.next_exec - st.next_read >= limit as u64
-            && Self::all_dropped(&st, st.next_read, n)
+        // Results whose refs were all dropped free their place here, unless a get is reading
+        // (it will discard them itself). The async pump does this by itself.
+        if !self.opts.enable_asyncio
+            && self.in_flight() >= limit
+            && let Some(mut rs) = self.reader.try_lock()
         {
-            self.read_next(&mut st, deadline, self.opts.submit_timeout)?;
+            while self.in_flight() >= limit && self.all_dropped(self.next_read.load(Ordering::Acquire)) {
+                self.read_next(&mut rs, deadline, self.opts.submit_timeout, None)?;
+            }
         }
-        if st.next_exec - st.next_read >= limit as u64 {
+        if self.in_flight() >= limit {
             return Err(Error::CapacityExceeded {
                 capacity: Capacity::InflightExecutions,
-                limit,
+                limit: limit as usize,
             });
         }
-        let exec = st.next_exec;
+        let exec = self.next_exec.load(Ordering::Acquire);
         let mut result = Ok(());
         let mut written = 0;
-        for feeder in st.feeders.iter_mut() {
+        for feeder in sub.feeders.iter_mut() {
             if let Err(e) = feeder.feed(input, deadline) {
                 result = Err(e);
                 break;
@@ -428,13 +493,13 @@ impl<I: Value> GraphShared<I> {
             let err = self.map_chan(e, label, self.opts.submit_timeout, "raise CompileOptions::submit_timeout, or get results to make room");
             if written > 0 {
                 // Part of this input went out: the channels are no longer in step.
-                drop(st);
+                drop(sub);
                 let _ = self.teardown_with(Some(format!("execution {exec} was only partly submitted: {err}")));
             }
             return Err(err);
         }
-        st.next_exec += 1;
-        if let Some(tx) = &st.submitted {
+        self.next_exec.store(exec + 1, Ordering::Release);
+        if let Some(tx) = &sub.submitted {
             let _ = tx.send(());
         }
         Ok(ExecToken::new(self.clone() as Arc<dyn RefOwner>, exec))
@@ -450,21 +515,32 @@ impl<I: Value> GraphShared<I> {
     /// Stop the graph: close every channel (waking every waiter), stop every actor loop,
     /// release the actors. Idempotent.
     pub(crate) fn teardown_with(&self, reason: Option<String>) -> Result<()> {
+        // A second caller waits for the first to finish, so that once teardown returns the
+        // actors are released whoever started it.
+        let _one_at_a_time = self.teardown_lock.lock();
         if self.torn.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
         *self.torn_reason.lock() = reason;
+        // Closing first wakes any get blocked on a channel, so the locks below come free.
         self.chans.close_all();
         {
-            let mut st = self.state.lock();
-            st.feeders.clear();
-            st.edges.clear();
-            st.buffer.clear();
-            st.partial.clear();
-            st.submitted = None;
-            for (_, w) in st.wakers.drain() {
-                w.wake();
-            }
+            let mut sub = self.submit.lock();
+            sub.feeders.clear();
+            sub.submitted = None;
+        }
+        {
+            let mut rs = self.reader.lock();
+            rs.edges.clear();
+            rs.partial.clear();
+        }
+        let wakers: Vec<Waker> = {
+            let mut r = self.results.lock();
+            r.buffer.clear();
+            r.wakers.drain().map(|(_, w)| w).collect()
+        };
+        for w in wakers {
+            w.wake();
         }
         self.room.notify_all();
         let deadline = Instant::now() + self.opts.teardown_timeout;
@@ -503,41 +579,42 @@ impl<I: Value> RefOwner for GraphShared<I> {
                 message: "this graph was compiled with enable_asyncio; await the ref instead of calling get".into(),
             });
         }
-        let mut st = self.state.lock();
-        if let Some(entry) = st.buffer.get_mut(&exec) {
-            if let Some(v) = entry[output].take() {
-                if entry.iter().all(Option::is_none) {
-                    st.buffer.remove(&exec);
-                }
-                return Ok(v);
-            }
+        if let Some(v) = self.take_buffered(exec, output) {
+            return Ok(v);
         }
         self.check_live()?;
-        if exec < st.next_read {
-            return Err(Error::AlreadyClaimed { execution: exec, output });
-        }
         let timeout = timeout.unwrap_or(self.opts.get_timeout);
         let deadline = deadline_after(timeout);
-        let n = self.output_labels.len();
+        let mut rs = match deadline {
+            None => self.reader.lock(),
+            Some(d) => self.reader.try_lock_until(d).ok_or_else(|| Error::Timeout {
+                what: format!("another get reading the results before execution {exec}"),
+                timeout,
+                hint: "raise the timeout; an earlier execution is slow".into(),
+            })?,
+        };
         loop {
-            let e = st.next_read;
-            let buffering = e != exec && !Self::all_dropped(&st, e, n);
-            if buffering && st.partial.is_empty() && st.buffer.len() >= self.opts.max_buffered_results {
+            // Another get may have read this execution while this one waited for the lock.
+            if let Some(v) = self.take_buffered(exec, output) {
+                return Ok(v);
+            }
+            self.check_live()?;
+            let next = self.next_read.load(Ordering::Acquire);
+            if exec < next {
+                return Err(Error::AlreadyClaimed { execution: exec, output });
+            }
+            if next != exec
+                && rs.partial.is_empty()
+                && !self.all_dropped(next)
+                && self.results.lock().buffer.len() >= self.opts.max_buffered_results
+            {
                 return Err(Error::CapacityExceeded {
                     capacity: Capacity::BufferedResults,
                     limit: self.opts.max_buffered_results,
                 });
             }
-            let mut results = self.read_next(&mut st, deadline, timeout)?;
-            if e == exec {
-                let value = results[output].take();
-                if results.iter().any(Option::is_some) {
-                    st.buffer.insert(e, results);
-                }
-                return value.ok_or(Error::AlreadyClaimed { execution: exec, output });
-            }
-            if results.iter().any(Option::is_some) {
-                st.buffer.insert(e, results);
+            if let Some(v) = self.read_next(&mut rs, deadline, timeout, Some((exec, output)))? {
+                return Ok(v);
             }
         }
     }
@@ -548,42 +625,32 @@ impl<I: Value> RefOwner for GraphShared<I> {
                 message: "this graph was compiled without enable_asyncio; call get() instead of awaiting".into(),
             }));
         }
-        let mut st = self.state.lock();
-        if let Some(entry) = st.buffer.get_mut(&exec)
-            && let Some(v) = entry[output].take()
-        {
-            if entry.iter().all(Option::is_none) {
-                st.buffer.remove(&exec);
-            }
-            st.wakers.remove(&(exec, output));
-            drop(st);
+        let mut r = self.results.lock();
+        if let Some(v) = Self::take_from(&mut r, exec, output) {
+            r.wakers.remove(&(exec, output));
+            drop(r);
             self.room.notify_all();
             return Poll::Ready(Ok(v));
         }
         if let Err(e) = self.check_live() {
             return Poll::Ready(Err(e));
         }
-        if exec < st.next_read {
+        if exec < self.next_read.load(Ordering::Acquire) {
             return Poll::Ready(Err(Error::AlreadyClaimed { execution: exec, output }));
         }
-        st.wakers.insert((exec, output), cx.waker().clone());
+        r.wakers.insert((exec, output), cx.waker().clone());
         Poll::Pending
     }
 
     fn release(&self, exec: u64, output: usize) {
-        let mut st = self.state.lock();
-        st.wakers.remove(&(exec, output));
-        if exec < st.next_read {
-            if let Some(entry) = st.buffer.get_mut(&exec) {
-                entry[output] = None;
-                if entry.iter().all(Option::is_none) {
-                    st.buffer.remove(&exec);
-                }
-            }
+        let mut r = self.results.lock();
+        r.wakers.remove(&(exec, output));
+        if exec < self.next_read.load(Ordering::Acquire) {
+            Self::take_from(&mut r, exec, output);
         } else {
-            st.dropped.insert((exec, output));
+            r.dropped.insert((exec, output));
         }
-        drop(st);
+        drop(r);
         self.room.notify_all();
     }
 

@@ -10,11 +10,8 @@ use std::time::Duration;
 
 pub(super) fn start<I: Value>(shared: &Arc<GraphShared<I>>) -> Result<()> {
     let (tx, rx) = crossbeam_channel::unbounded::<()>();
-    let edges = {
-        let mut st = shared.state.lock();
-        st.submitted = Some(tx);
-        std::mem::take(&mut st.edges)
-    };
+    shared.submit.lock().submitted = Some(tx);
+    let edges = std::mem::take(&mut shared.reader.lock().edges);
     let weak: Weak<GraphShared<I>> = Arc::downgrade(shared);
     std::thread::Builder::new()
         .name(format!("adag-pump-{}", shared.id))
@@ -30,9 +27,9 @@ fn run<I: Value>(weak: Weak<GraphShared<I>>, submitted: crossbeam_channel::Recei
         // Wait for room in the result buffer: results stay in the channels meanwhile, which
         // counts them as in flight, as in sync mode.
         {
-            let mut st = shared.state.lock();
-            while st.buffer.len() >= shared.opts.max_buffered_results && !shared.torn.load(std::sync::atomic::Ordering::Acquire) {
-                shared.room.wait_for(&mut st, Duration::from_millis(100));
+            let mut r = shared.results.lock();
+            while r.buffer.len() >= shared.opts.max_buffered_results && !shared.torn.load(std::sync::atomic::Ordering::Acquire) {
+                shared.room.wait_for(&mut r, Duration::from_millis(100));
             }
         }
         let mut results: Vec<Option<Box<dyn std::any::Any + Send>>> = (0..n_outputs).map(|_| None).collect();
@@ -47,21 +44,7 @@ fn run<I: Value>(weak: Weak<GraphShared<I>>, submitted: crossbeam_channel::Recei
                 Err(_) => return,
             }
         }
-        let mut st = shared.state.lock();
-        let exec = st.next_read;
-        st.next_read += 1;
-        for (out, r) in results.iter_mut().enumerate() {
-            if st.dropped.remove(&(exec, out)) {
-                *r = None;
-            }
-        }
-        let wake: Vec<_> = (0..n_outputs).filter_map(|o| st.wakers.remove(&(exec, o))).collect();
-        if results.iter().any(Option::is_some) {
-            st.buffer.insert(exec, results);
-        }
-        drop(st);
-        for w in wake {
-            w.wake();
-        }
+        let exec = shared.next_read.load(std::sync::atomic::Ordering::Acquire);
+        shared.store(exec, results, None);
     }
 }
