@@ -8,6 +8,7 @@ pub mod comm;
 pub mod compile;
 pub mod dag;
 pub mod error;
+pub mod tensor;
 pub mod exec;
 pub(crate) mod sync;
 mod value;
@@ -18,6 +19,8 @@ pub use compile::{CompileOptions, DefaultCommunicator};
 pub use dag::{AnyNode, Arg, Dag, ErasedArg, InputNode, IntoOutputs, MultiOutput, Node};
 pub use error::{Capacity, Error, Result};
 pub use exec::{CompiledGraph, CompiledRef, RefSet, get_all};
+pub use comm::{CommError, CommId, Communicator, CommunicatorFactory, CommunicatorGroup, ReduceOp};
+pub use tensor::{DType, Device, Element, Tensor, TensorError};
 pub use value::{TypeTag, Value};
 
 /// Start-up hook: in a worker process started by a driver this runs the worker and never

@@ -160,6 +160,12 @@ impl<T: Value> std::future::Future for RefFuture<T> {
         }
         match inner.owner.poll_fetch(inner.exec, inner.output, cx) {
             std::task::Poll::Pending => std::task::Poll::Pending,
+            std::task::Poll::Ready(Err(e @ Error::WrongMode { .. })) => {
+                // Nothing was claimed: the ref stays usable through get().
+                inner.claimed.store(false, Ordering::Release);
+                this.started = false;
+                std::task::Poll::Ready(Err(e))
+            }
             std::task::Poll::Ready(r) => {
                 this.finished = true;
                 std::task::Poll::Ready(r.and_then(|v| this.r.unpack(v)))

@@ -1,0 +1,203 @@
+//! Async execution (`enable_asyncio`): futures, many tasks, capacity, cancellation,
+//! teardown and actor death, for thread and process actors.
+mod common;
+use adag::{Capacity, CompileOptions, Dag, Error, Placement, Runtime};
+use common::{each_placement, worker};
+use std::time::Duration;
+
+fn tokio_rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn async_opts() -> CompileOptions {
+    CompileOptions::default().enable_asyncio(true)
+}
+
+#[test]
+fn compiled_outside_the_runtime_then_awaited() {
+    each_placement("compiled_outside_the_runtime_then_awaited", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.echo(dag.input()), async_opts()).unwrap();
+        // The runtime is created only now, after compile.
+        let value = tokio_rt().block_on(async { g.execute_async(41).await?.await }).unwrap();
+        assert_eq!(value, 42);
+    });
+}
+
+#[test]
+fn sync_and_async_apis_refuse_the_other_mode() {
+    each_placement("sync_and_async_apis_refuse_the_other_mode", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.echo(dag.input()), async_opts()).unwrap();
+        assert!(matches!(g.execute(1), Err(Error::WrongMode { .. })));
+        let r = tokio_rt().block_on(g.execute_async(1)).unwrap();
+        assert!(matches!(r.clone().get(), Err(Error::WrongMode { .. })));
+        assert_eq!(tokio_rt().block_on(r.into_future_value()).unwrap(), 2);
+        g.teardown().unwrap();
+
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.echo(dag.input()), CompileOptions::default()).unwrap();
+        assert!(matches!(tokio_rt().block_on(g.execute_async(1)), Err(Error::WrongMode { .. })));
+        let r = g.execute(1).unwrap();
+        assert!(matches!(tokio_rt().block_on(async { r.clone().await }), Err(Error::WrongMode { .. })));
+        assert_eq!(r.get().unwrap(), 2);
+    });
+}
+
+trait IntoFutureValue<T> {
+    fn into_future_value(self) -> adag::exec::RefFuture<T>;
+}
+impl<T: adag::Value> IntoFutureValue<T> for adag::CompiledRef<T> {
+    fn into_future_value(self) -> adag::exec::RefFuture<T> {
+        std::future::IntoFuture::into_future(self)
+    }
+}
+
+#[test]
+fn many_tasks_many_executions_in_order_per_ref() {
+    each_placement("many_tasks_many_executions_in_order_per_ref", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 10);
+        let dag = Dag::<u64>::new();
+        let g = std::sync::Arc::new(
+            dag.compile(b.echo(a.echo(dag.input())), async_opts().max_inflight_executions(64).max_buffered_results(64))
+                .unwrap(),
+        );
+        tokio_rt().block_on(async {
+            let mut tasks = Vec::new();
+            for t in 0..16u64 {
+                let g = g.clone();
+                tasks.push(tokio::spawn(async move {
+                    for i in 0..50u64 {
+                        let x = t * 1000 + i;
+                        // Other tasks may fill the graph for a moment: retry on capacity.
+                        let r = loop {
+                            match g.execute_async(x).await {
+                                Ok(r) => break r,
+                                Err(Error::CapacityExceeded { .. }) => tokio::task::yield_now().await,
+                                Err(e) => panic!("{e}"),
+                            }
+                        };
+                        assert_eq!(r.await.unwrap(), x + 11);
+                    }
+                }));
+            }
+            for t in tasks {
+                t.await.unwrap();
+            }
+        });
+    });
+}
+
+#[test]
+fn inflight_and_buffered_limits_hold() {
+    each_placement("inflight_and_buffered_limits_hold", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let dag = Dag::<u64>::new();
+        let g = dag
+            .compile(a.echo(dag.input()), async_opts().max_inflight_executions(3).max_buffered_results(2))
+            .unwrap();
+        tokio_rt().block_on(async {
+            let mut refs = Vec::new();
+            let mut refused = false;
+            for i in 0..20 {
+                match g.execute_async(i).await {
+                    Ok(r) => refs.push(r),
+                    Err(Error::CapacityExceeded { capacity, .. }) => {
+                        assert_eq!(capacity, Capacity::InflightExecutions);
+                        refused = true;
+                        break;
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+                // Let the pump buffer what it can.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(refused, "20 unclaimed executions never hit the limits");
+            // 2 buffered + 3 in flight at most.
+            assert!(refs.len() <= 5, "{} executions accepted", refs.len());
+            for (i, r) in refs.into_iter().enumerate() {
+                assert_eq!(r.await.unwrap(), i as u64);
+            }
+            assert_eq!(g.execute_async(7).await.unwrap().await.unwrap(), 7);
+        });
+    });
+}
+
+#[test]
+fn dropped_future_loses_nothing_for_the_others() {
+    each_placement("dropped_future_loses_nothing_for_the_others", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.slow(dag.input(), 30u64), async_opts().max_inflight_executions(2)).unwrap();
+        tokio_rt().block_on(async {
+            let first = g.execute_async(1).await.unwrap();
+            let second = g.execute_async(2).await.unwrap();
+            // Cancel the first while it is pending.
+            let timed_out = tokio::time::timeout(Duration::from_millis(1), first.into_future_value()).await;
+            assert!(timed_out.is_err(), "the first result came too fast to test cancellation");
+            assert_eq!(second.await.unwrap(), 2);
+            // Its slot is free again: two more fit.
+            let c = g.execute_async(3).await.unwrap();
+            let d = g.execute_async(4).await.unwrap();
+            assert_eq!((c.await.unwrap(), d.await.unwrap()), (3, 4));
+        });
+    });
+}
+
+#[test]
+fn teardown_wakes_every_pending_future() {
+    each_placement("teardown_wakes_every_pending_future", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let dag = Dag::<u64>::new();
+        let g = std::sync::Arc::new(
+            dag.compile(a.slow(dag.input(), 2_000u64), async_opts().teardown_timeout(Duration::from_secs(5))).unwrap(),
+        );
+        tokio_rt().block_on(async {
+            let mut waiting = Vec::new();
+            for i in 0..3 {
+                let r = g.execute_async(i).await.unwrap();
+                waiting.push(tokio::spawn(async move { r.await }));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let g2 = g.clone();
+            std::thread::spawn(move || g2.teardown()).join().unwrap().ok();
+            for w in waiting {
+                let r = tokio::time::timeout(Duration::from_secs(10), w).await.expect("future never woke").unwrap();
+                assert!(r.is_err(), "a pending future resolved with a value after teardown");
+            }
+        });
+    });
+}
+
+#[test]
+fn worker_death_resolves_pending_futures_with_actor_died() {
+    let rt = Runtime::new().unwrap();
+    let a = worker(&rt, Placement::Process, 0);
+    let dag = Dag::<u64>::new();
+    let g = dag.compile(a.slow(dag.input(), 5_000u64), async_opts()).unwrap();
+    tokio_rt().block_on(async {
+        let r = g.execute_async(1).await.unwrap();
+        let pending = tokio::spawn(async move { r.await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        a.kill().unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(5), pending).await.expect("future never woke").unwrap();
+        match got {
+            Err(Error::ActorDied { actor, .. }) => assert_eq!(actor, a.name()),
+            other => panic!("expected ActorDied, got {other:?}"),
+        }
+        assert!(matches!(g.execute_async(2).await, Err(Error::ActorDied { .. })));
+    });
+}
