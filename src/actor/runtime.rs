@@ -53,13 +53,15 @@ impl Runtime {
     pub fn spawn<A: Actor>(&self, placement: Placement, init: A::Init) -> Result<ActorHandle<A>> {
         let id = next_actor_id();
         let name = format!("{}#{id}", short_type_name(A::type_name()));
-        self.spawn_named::<A>(placement, name, init)
+        self.spawn_with_id::<A>(placement, id, name, init)
     }
 
     /// Spawn an actor with a name of your choosing (shown in errors and pictures).
     pub fn spawn_named<A: Actor>(&self, placement: Placement, name: impl Into<String>, init: A::Init) -> Result<ActorHandle<A>> {
-        let name = name.into();
-        let id = next_actor_id();
+        self.spawn_with_id::<A>(placement, next_actor_id(), name.into(), init)
+    }
+
+    fn spawn_with_id<A: Actor>(&self, placement: Placement, id: u64, name: String, init: A::Init) -> Result<ActorHandle<A>> {
         let live_graph = Arc::new(Mutex::new(None));
         let link = match placement {
             Placement::Thread => ActorLink::Thread(spawn_thread::<A>(id, &name, init)?),
