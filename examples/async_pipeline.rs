@@ -5,15 +5,12 @@ use adag::{CompileOptions, Dag, Placement, Runtime};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Doubles its input; `fetch` is an async method run on the actor's own runtime.
+/// Doubles its input in an async method, run on the actor's own runtime.
+#[derive(Default)]
 pub struct Doubler;
 
 #[adag::actor]
 impl Doubler {
-    pub fn new() -> Self {
-        Doubler
-    }
-
     pub async fn double(&mut self, x: u64) -> u64 {
         tokio::task::yield_now().await;
         2 * x

@@ -35,7 +35,10 @@ pub struct MethodEntry<A> {
 
 impl<A> MethodEntry<A> {
     pub(crate) fn sig(&self) -> MethodSig {
-        self.imp.sig()
+        MethodSig {
+            names: self.arg_names,
+            ..self.imp.sig()
+        }
     }
 }
 
@@ -108,6 +111,7 @@ impl<A: 'static, Args: ArgTuple, R: Value> Method<A, Args, R> {
 impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R> {
     fn sig(&self) -> MethodSig {
         MethodSig {
+            names: &[],
             args: Args::tags(),
             ret: TypeTag::of::<R>(),
         }
@@ -172,7 +176,8 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
 
 /// A value held by an actor between the operations of one execution. Its readers take it
 /// in turn: all but the last get a clone, the last gets the value itself.
-pub(crate) struct LocalSlot<T> {
+#[doc(hidden)]
+pub struct LocalSlot<T> {
     value: RefCell<Option<Msg<T>>>,
     uses: Cell<usize>,
     left: Cell<usize>,
@@ -180,7 +185,7 @@ pub(crate) struct LocalSlot<T> {
 }
 
 impl<T: Clone> LocalSlot<T> {
-    fn new(label: String) -> Self {
+    pub(crate) fn new(label: String) -> Self {
         LocalSlot {
             value: RefCell::new(None),
             uses: Cell::new(0),
@@ -189,7 +194,7 @@ impl<T: Clone> LocalSlot<T> {
         }
     }
 
-    fn add_use(&self) {
+    pub(crate) fn add_use(&self) {
         self.uses.set(self.uses.get() + 1);
     }
 
@@ -265,6 +270,7 @@ macro_rules! arg_tuple {
                 let _ = readers;
                 // Take every argument, even after an error, so every slot stays in step.
                 let msgs = ($(readers.$i.get(),)*);
+                let _ = &msgs;
                 let mut first_error: Option<Arc<TaskError>> = None;
                 let _ = &mut first_error;
                 $(let $t = match msgs.$i {
@@ -334,6 +340,8 @@ pub(crate) struct TaskBuilder<'a, A> {
     slots: HashMap<u64, Rc<dyn Any>>,
     pub(crate) reads: HashMap<u64, Op<A>>,
     pub(crate) writes: HashMap<u64, Op<A>>,
+    /// Communicator edges and collectives of this actor.
+    pub(crate) comm: super::comm_ops::CommCtx<A>,
 }
 
 impl<'a, A> TaskBuilder<'a, A> {
@@ -346,10 +354,15 @@ impl<'a, A> TaskBuilder<'a, A> {
             slots: HashMap::new(),
             reads: HashMap::new(),
             writes: HashMap::new(),
+            comm: Default::default(),
         }
     }
 
-    fn slot<T: Value>(&mut self, edge: u64) -> Result<Option<Rc<LocalSlot<T>>>, String> {
+    pub(crate) fn slots_insert(&mut self, edge: u64, slot: Rc<dyn Any>) {
+        self.slots.insert(edge, slot);
+    }
+
+    pub(crate) fn slot<T: Value>(&mut self, edge: u64) -> Result<Option<Rc<LocalSlot<T>>>, String> {
         match self.slots.get(&edge) {
             None => Ok(None),
             Some(s) => s.clone().downcast::<LocalSlot<T>>().map(Some).map_err(|_| {
@@ -383,6 +396,9 @@ impl<'a, A> TaskBuilder<'a, A> {
         if let Some(slot) = self.slot::<T>(edge)? {
             return Ok(slot);
         }
+        if super::comm_ops::is_recv(&self.comm, edge) {
+            return super::comm_ops::recv_slot::<A, T>(self, edge);
+        }
         let plan = self.plan.edge(edge)?;
         let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
         let mut reader: EdgeReader<T> = self.chans.reader(self.plan, edge, self.me)?;
@@ -399,7 +415,10 @@ impl<'a, A> TaskBuilder<'a, A> {
     }
 
     /// The slot a compute operation writes, with the write operation that sends it on.
-    fn output<T: Value>(&mut self, edge: u64, method: &'static str) -> Result<Rc<LocalSlot<T>>, String> {
+    pub(crate) fn output<T: Value>(&mut self, edge: u64, method: &'static str) -> Result<Rc<LocalSlot<T>>, String> {
+        if super::comm_ops::is_send(&self.comm, edge) {
+            return super::comm_ops::send_slot::<A, T>(self, edge);
+        }
         let plan = self.plan.edge(edge)?;
         let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
         if plan.has_channel() {

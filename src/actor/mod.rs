@@ -9,16 +9,19 @@ use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub(crate) mod comm_ops;
 pub(crate) mod host;
 pub(crate) mod method;
 pub(crate) mod registry;
 mod runtime;
 pub(crate) mod wire;
+#[cfg(test)]
+mod wire_tests;
 pub(crate) mod worker;
 
 pub use method::{ArgTuple, MethodEntry, SplitTuple};
 pub use registry::ActorTypeEntry;
-pub use runtime::{Placement, Runtime};
+pub use runtime::{Placement, Runtime, SpawnOptions};
 
 /// A stateful actor whose methods can be bound into compiled graphs.
 ///
@@ -48,6 +51,8 @@ pub trait FromHandleCore: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub(crate) struct MethodSig {
     pub args: Vec<TypeTag>,
+    /// The parameter names, for error messages.
+    pub names: &'static [&'static str],
     pub ret: TypeTag,
 }
 
@@ -70,6 +75,8 @@ pub(crate) struct ActorShared {
     pub link: host::ActorLink,
     /// The live compiled graph this actor belongs to.
     pub live_graph: Arc<Mutex<Option<u64>>>,
+    /// The device whose tensors the actor computes on (chooses `Transport::Auto`).
+    pub device: crate::tensor::Device,
 }
 
 impl fmt::Debug for HandleCore {
@@ -84,9 +91,19 @@ impl HandleCore {
         &self.0.name
     }
 
+    /// The actor's registered type name.
+    pub fn type_name(&self) -> &'static str {
+        self.0.type_name
+    }
+
     /// The actor's unique id.
     pub fn id(&self) -> u64 {
         self.0.id
+    }
+
+    /// The device the actor was spawned for ([`SpawnOptions::device`]).
+    pub fn device(&self) -> crate::tensor::Device {
+        self.0.device
     }
 
     /// 0 for actors in the driver's process, else the actor's own process number.
@@ -205,6 +222,11 @@ impl<A: Actor> ActorHandle<A> {
     /// Kill the actor's worker process at once (SIGKILL); for thread actors, an error.
     pub fn kill(&self) -> Result<()> {
         self.core.0.link.kill(&self.core.0.name)
+    }
+
+    /// The device the actor was spawned for.
+    pub fn device(&self) -> crate::tensor::Device {
+        self.core.0.device
     }
 
     /// The worker's process id, for process actors.

@@ -7,8 +7,10 @@ use crate::value::decode;
 /// One registered actor type (emitted by `#[actor]` into [`ACTOR_TYPES`]).
 pub struct ActorTypeEntry {
     pub(crate) name: fn() -> &'static str,
-    pub(crate) build: fn(&[u8], u64, String) -> Result<Box<dyn ErasedHost>, String>,
+    pub(crate) build: BuildHost,
 }
+
+type BuildHost = fn(&[u8], u64, String) -> Result<Box<dyn ErasedHost>, String>;
 
 impl ActorTypeEntry {
     /// The entry of actor type `A`.

@@ -9,7 +9,7 @@ use rustix::net::{
 use serde::{Deserialize, Serialize};
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 /// Requests from the driver.
 #[derive(Debug, Serialize, Deserialize)]
@@ -29,7 +29,21 @@ pub(crate) enum ToWorker {
         plan: GraphPlan,
         chans: Vec<u64>,
     },
+    /// The communicator ranks of the next `Install`: each ticket's descriptors arrive with
+    /// this message, in ticket order (`fds` of them per ticket). A message of its own, so that
+    /// `Install` keeps its shape and each message carries few descriptors.
+    InstallComms { comms: Vec<CommTicket> },
     Shutdown,
+}
+
+/// One communicator rank for a worker: open rank `rank` of the group of `ticket` with the
+/// `fds` descriptors that come with it; the schedule names the group by `group`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct CommTicket {
+    pub group: u32,
+    pub ticket: crate::comm::GroupTicket,
+    pub rank: usize,
+    pub fds: usize,
 }
 
 /// Why a one-off call failed, as it crosses the socket.
@@ -91,8 +105,11 @@ pub(crate) fn recv<T: for<'de> Deserialize<'de>>(sock: BorrowedFd<'_>) -> std::i
     if got.bytes < 8 {
         return Err(std::io::Error::other("truncated control message header"));
     }
-    let total = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes")) as usize;
-    let mut body = Vec::with_capacity(total);
+    let total = usize::try_from(u64::from_le_bytes(buf[..8].try_into().expect("8 bytes")))
+        .map_err(|_| std::io::Error::other("control message header announces more than this machine can address"))?;
+    // The header is only a claim: reserve what one packet holds, and grow as chunks arrive,
+    // so that a corrupt or hostile length cannot abort the process on allocation.
+    let mut body = Vec::with_capacity(total.min(4 * CHUNK));
     body.extend_from_slice(&buf[8..got.bytes]);
     while body.len() < total {
         let n = rustix::net::recv(sock, &mut buf[..CHUNK], RecvFlags::empty())?.0;
@@ -112,8 +129,4 @@ pub(crate) fn recv<T: for<'de> Deserialize<'de>>(sock: BorrowedFd<'_>) -> std::i
 pub(crate) fn socket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType, socketpair};
     Ok(socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?)
-}
-
-pub(crate) fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
-    fd.as_fd()
 }

@@ -84,11 +84,11 @@ pub(crate) struct EdgeWriter<T> {
 impl<T: Value> EdgeWriter<T> {
     pub(crate) fn write(&mut self, msg: Msg<T>, deadline: Option<Instant>) -> Result<(), ChanError> {
         if let Some(shm) = &mut self.shm {
-            let (tag, mut encode): (u8, Box<dyn FnMut(&mut [u8]) -> Result<usize, usize>>) = match &msg {
-                Msg::Value(v) => (TAG_VALUE, Box::new(move |b: &mut [u8]| encode_into(v, b))),
-                Msg::Error(e) => (TAG_ERROR, Box::new(move |b: &mut [u8]| encode_into(&**e, b))),
-            };
-            shm.write(tag, &mut *encode, deadline)?;
+            // Encoded straight into the slot: no allocation per message.
+            match &msg {
+                Msg::Value(v) => shm.write(TAG_VALUE, &mut |b: &mut [u8]| encode_into(v, b), deadline)?,
+                Msg::Error(e) => shm.write(TAG_ERROR, &mut |b: &mut [u8]| encode_into(&**e, b), deadline)?,
+            }
         }
         let Some((last, rest)) = self.local.split_last() else {
             return Ok(());

@@ -1,5 +1,7 @@
 //! Channels: one per edge of a compiled graph.
 pub(crate) mod endpoint;
+#[cfg(all(test, not(loom)))]
+mod frame_tests;
 #[cfg(all(test, loom))]
 mod loom_tests;
 pub(crate) mod ring;

@@ -50,7 +50,7 @@
 use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
-use crate::channel::wait::WaitCell;
+use crate::channel::wait::{SpinPolicy, WaitCell};
 use crate::sync::{Arc, AtomicU32, AtomicU64, Mutex, Ordering};
 
 /// Errors of the ring and of the shared-memory channel built on it.
@@ -66,7 +66,7 @@ pub(crate) enum RingError {
         "a message of {size} bytes exceeds the channel's limit of {limit} bytes (max_message_bytes)"
     )]
     TooLarge { size: usize, limit: usize },
-    #[error("shared-memory channel I/O failed: {0}")]
+    #[error("shared-memory channel: {0}")]
     Io(#[from] std::io::Error),
     #[error("shared-memory channel is corrupt or incompatible: {0}")]
     Corrupt(String),
@@ -85,9 +85,9 @@ impl<T> std::ops::Deref for CachePadded<T> {
     }
 }
 
-/// Shared state of a ring, except the readers' cursors. All-zero bytes are a valid (empty,
-/// unconfigured) state, so it can live in a fresh shared mapping; [`init`](Self::init) sets
-/// the shape.
+/// Shared state of a ring, except the readers' cursors. Only atomics, and all-zero bytes are
+/// a valid (empty, unconfigured) state, so it can live in a fresh shared mapping (`shm` views
+/// it in place; keep it atomics-only); [`init`](Self::init) sets the shape.
 #[repr(C)]
 #[derive(Debug, Default)]
 pub(crate) struct RingControl {
@@ -141,6 +141,7 @@ impl RingControl {
 }
 
 /// One reader's position: every sequence below `released` was released by that reader.
+/// Atomics only, like [`RingControl`].
 #[repr(C, align(128))]
 #[derive(Debug, Default)]
 pub(crate) struct Cursor {
@@ -191,7 +192,7 @@ impl RingMemory for Arc<HeapRing> {
 pub(crate) struct RingWriter<M: RingMemory> {
     mem: M,
     depth: u64,
-    spin: Duration,
+    policy: SpinPolicy,
     /// Sequence number of the next message.
     next: u64,
     /// A lower bound of every reader's cursor, cached so that the fast path reads no cursor.
@@ -211,7 +212,7 @@ impl<M: RingMemory> RingWriter<M> {
         Some(Self {
             mem,
             depth,
-            spin,
+            policy: SpinPolicy::new(spin),
             next,
             min_released,
         })
@@ -234,7 +235,7 @@ impl<M: RingMemory> RingWriter<M> {
             return Ok(next);
         }
         let mem = &self.mem;
-        let ready = ctl.space.wait(self.spin, deadline, || {
+        let ready = ctl.space.wait(&mut self.policy, deadline, || {
             if ctl.is_closed() {
                 return Some(Err(RingError::Closed));
             }
@@ -311,7 +312,7 @@ impl Releases {
 pub(crate) struct RingReader<M: RingMemory> {
     mem: M,
     index: u32,
-    spin: Duration,
+    policy: SpinPolicy,
     /// Sequence number of the next message to acquire.
     next: u64,
     /// The last `write_seq` seen: messages below it are readable without a shared load.
@@ -335,7 +336,7 @@ impl<M: RingMemory> RingReader<M> {
         let depth = ctl.depth() as usize;
         Some(Self {
             index,
-            spin,
+            policy: SpinPolicy::new(spin),
             next,
             published: next,
             releases: Arc::new(Releases {
@@ -357,7 +358,7 @@ impl<M: RingMemory> RingReader<M> {
         if self.next == self.published {
             let ctl = self.mem.control();
             let next = self.next;
-            let ready = ctl.data.wait(self.spin, deadline, || {
+            let ready = ctl.data.wait(&mut self.policy, deadline, || {
                 // `closed` first: if the writer closed after its last publish, seeing the
                 // close (acquire) implies seeing that publish.
                 let closed = ctl.is_closed();
@@ -400,6 +401,7 @@ impl<M: RingMemory> RingReader<M> {
 
     /// Turns the acquired `seq` into a lease that releases it when dropped, on any thread,
     /// while this reader goes on reading.
+    #[allow(dead_code)] // For `ShmReader::read_owned`: zero-copy byte payloads (integration).
     pub(crate) fn lease(&mut self, seq: u64) -> RingLease<M> {
         debug_assert!(seq < self.next, "lease of a sequence not acquired");
         self.releases.leases.fetch_add(1, Ordering::Relaxed);
@@ -419,6 +421,7 @@ impl<M: RingMemory> Drop for RingReader<M> {
 }
 
 /// A message kept past the reader's next read; releases its slot when dropped.
+#[allow(dead_code)] // Zero-copy byte payloads (integration).
 #[derive(Debug)]
 pub(crate) struct RingLease<M: RingMemory> {
     mem: M,
@@ -427,6 +430,7 @@ pub(crate) struct RingLease<M: RingMemory> {
     releases: Arc<Releases>,
 }
 
+#[allow(dead_code)] // Zero-copy byte payloads (integration).
 impl<M: RingMemory> RingLease<M> {
     pub(crate) fn memory(&self) -> &M {
         &self.mem
@@ -481,70 +485,75 @@ mod tests {
     use super::test_slots::Slots;
     use super::*;
     use crate::channel::wait::DEFAULT_SPIN;
+    use crate::channel::wait::watchdog::{WATCHDOG, with_watchdog};
     use crate::sync::thread;
 
     /// Writer and readers on threads over a heap ring, one value per slot.
     #[test]
     fn every_reader_sees_every_message_in_order() {
-        const DEPTH: u32 = 4;
-        const READERS: u32 = 3;
-        const MESSAGES: u64 = 20_000;
-        let ring = HeapRing::new(DEPTH, READERS);
-        let slots = Arc::new(Slots::new(DEPTH));
-        let readers: Vec<_> = (0..READERS)
-            .map(|index| {
-                let mut reader = RingReader::attach(ring.clone(), index, DEFAULT_SPIN).unwrap();
-                let slots = slots.clone();
-                thread::spawn(move || {
-                    let mut leases = Vec::new();
-                    for expected in 0..MESSAGES {
-                        let seq = reader.acquire(None).unwrap();
-                        assert_eq!(seq, expected);
-                        assert_eq!(slots.read(seq), seq * 7 + 1);
-                        // Reader 0 keeps every third message past its next read.
-                        if index == 0 && seq % 3 == 0 {
-                            leases.push(reader.lease(seq));
-                            if leases.len() > 1 {
-                                leases.remove(0);
+        with_watchdog(WATCHDOG, || {
+            const DEPTH: u32 = 4;
+            const READERS: u32 = 3;
+            const MESSAGES: u64 = 20_000;
+            let ring = HeapRing::new(DEPTH, READERS);
+            let slots = Arc::new(Slots::new(DEPTH));
+            let readers: Vec<_> = (0..READERS)
+                .map(|index| {
+                    let mut reader = RingReader::attach(ring.clone(), index, DEFAULT_SPIN).unwrap();
+                    let slots = slots.clone();
+                    thread::spawn(move || {
+                        let mut leases = Vec::new();
+                        for expected in 0..MESSAGES {
+                            let seq = reader.acquire(None).unwrap();
+                            assert_eq!(seq, expected);
+                            assert_eq!(slots.read(seq), seq * 7 + 1);
+                            // Reader 0 keeps every third message past its next read.
+                            if index == 0 && seq % 3 == 0 {
+                                leases.push(reader.lease(seq));
+                                if leases.len() > 1 {
+                                    leases.remove(0);
+                                }
+                            } else {
+                                reader.release(seq);
                             }
-                        } else {
-                            reader.release(seq);
                         }
-                    }
-                    drop(leases);
-                    // The writer closes after the last message.
-                    assert!(matches!(reader.acquire(None), Err(RingError::Closed)));
+                        drop(leases);
+                        // The writer closes after the last message.
+                        assert!(matches!(reader.acquire(None), Err(RingError::Closed)));
+                    })
                 })
-            })
-            .collect();
-        let mut writer = RingWriter::attach(ring.clone(), DEFAULT_SPIN).unwrap();
-        assert!(RingWriter::attach(ring.clone(), DEFAULT_SPIN).is_none());
-        for seq in 0..MESSAGES {
-            assert_eq!(writer.reserve(None).unwrap(), seq);
-            slots.write(seq, seq * 7 + 1);
-            writer.publish();
-        }
-        drop(writer);
-        for reader in readers {
-            reader.join().unwrap();
-        }
+                .collect();
+            let mut writer = RingWriter::attach(ring.clone(), DEFAULT_SPIN).unwrap();
+            assert!(RingWriter::attach(ring.clone(), DEFAULT_SPIN).is_none());
+            for seq in 0..MESSAGES {
+                assert_eq!(writer.reserve(None).unwrap(), seq);
+                slots.write(seq, seq * 7 + 1);
+                writer.publish();
+            }
+            drop(writer);
+            for reader in readers {
+                reader.join().unwrap();
+            }
+        });
     }
 
     #[test]
     fn reserve_times_out_when_full_and_fails_when_closed() {
-        let ring = HeapRing::new(1, 1);
-        let mut writer = RingWriter::attach(ring.clone(), DEFAULT_SPIN).unwrap();
-        let _reader = RingReader::attach(ring.clone(), 0, DEFAULT_SPIN).unwrap();
-        assert!(RingReader::attach(ring.clone(), 0, DEFAULT_SPIN).is_none());
-        assert!(RingReader::attach(ring.clone(), 1, DEFAULT_SPIN).is_none());
-        writer.reserve(None).unwrap();
-        writer.publish();
-        let deadline = Instant::now() + Duration::from_millis(20);
-        assert!(matches!(
-            writer.reserve(Some(deadline)),
-            Err(RingError::Timeout)
-        ));
-        ring.control().close();
-        assert!(matches!(writer.reserve(None), Err(RingError::Closed)));
+        with_watchdog(WATCHDOG, || {
+            let ring = HeapRing::new(1, 1);
+            let mut writer = RingWriter::attach(ring.clone(), DEFAULT_SPIN).unwrap();
+            let _reader = RingReader::attach(ring.clone(), 0, DEFAULT_SPIN).unwrap();
+            assert!(RingReader::attach(ring.clone(), 0, DEFAULT_SPIN).is_none());
+            assert!(RingReader::attach(ring.clone(), 1, DEFAULT_SPIN).is_none());
+            writer.reserve(None).unwrap();
+            writer.publish();
+            let deadline = Instant::now() + Duration::from_millis(20);
+            assert!(matches!(
+                writer.reserve(Some(deadline)),
+                Err(RingError::Timeout)
+            ));
+            ring.control().close();
+            assert!(matches!(writer.reserve(None), Err(RingError::Closed)));
+        });
     }
 }

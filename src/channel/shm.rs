@@ -323,14 +323,15 @@ impl ShmChannel {
     /// Maps the channel created (in this or another process) on the memfd `fd`; the header
     /// tells its configuration.
     pub fn open(fd: OwnedFd) -> Result<Self, RingError> {
-        let corrupt = |what: String| RingError::Corrupt(what);
         let seals = rustix::fs::fcntl_get_seals(&fd).map_err(io::Error::from)?;
         if !seals.contains(SealFlags::SHRINK) {
-            return Err(corrupt("the memfd is not sealed against shrinking".into()));
+            return Err(RingError::Corrupt(
+                "the memfd is not sealed against shrinking".into(),
+            ));
         }
         let size = rustix::fs::fstat(&fd).map_err(io::Error::from)?.st_size as usize;
         if size < size_of::<ShmHeader>() {
-            return Err(corrupt(format!(
+            return Err(RingError::Corrupt(format!(
                 "the memfd holds {size} bytes, less than a header"
             )));
         }
@@ -341,13 +342,13 @@ impl ShmChannel {
             let header: &ShmHeader = view(&probe, size, 0);
             let magic = header.magic.load(Ordering::Acquire);
             if magic != MAGIC {
-                return Err(corrupt(format!(
+                return Err(RingError::Corrupt(format!(
                     "bad magic {magic:#x}: not an adag channel"
                 )));
             }
             let version = header.version.load(Ordering::Relaxed);
             if version != VERSION {
-                return Err(corrupt(format!(
+                return Err(RingError::Corrupt(format!(
                     "layout version {version}, expected {VERSION}"
                 )));
             }
@@ -359,10 +360,11 @@ impl ShmChannel {
                 spin: Duration::from_nanos(header.spin_ns.load(Ordering::Relaxed)),
             }
         };
-        let layout = Layout::new(&cfg).map_err(|err| corrupt(format!("bad config: {err}")))?;
+        let layout =
+            Layout::new(&cfg).map_err(|err| RingError::Corrupt(format!("bad config: {err}")))?;
         let initial_len = layout.payload_start + cfg.depth as usize * layout.initial_stride;
         if size < initial_len {
-            return Err(corrupt(format!(
+            return Err(RingError::Corrupt(format!(
                 "the memfd holds {size} bytes, expected {initial_len}"
             )));
         }
@@ -415,6 +417,7 @@ impl ShmChannel {
         self.shared.control().close();
     }
 
+    #[allow(dead_code)] // Part of the channel API; only the tests ask yet.
     pub fn is_closed(&self) -> bool {
         self.shared.control().is_closed()
     }
@@ -579,6 +582,7 @@ impl ShmReader {
     /// Like [`read`](Self::read), but the message stays readable (and its slot taken) until
     /// the returned lease is dropped, on any thread, while this reader goes on reading. A lease
     /// kept for long stalls the writer once it comes around the ring to that slot.
+    #[allow(dead_code)] // Zero-copy byte payloads (integration).
     pub fn read_owned(&mut self, deadline: Option<Instant>) -> Result<ShmLease, RingError> {
         let (seq, tag, offset, len) = self.next(deadline)?;
         Ok(ShmLease {
@@ -673,6 +677,7 @@ impl Drop for ShmFrame<'_> {
 
 /// A message read in place that keeps its slot, and the mapping, until dropped. `Send` and
 /// `AsRef<[u8]>`, so it can back a zero-copy `bytes::Bytes` (`Bytes::from_owner`).
+#[allow(dead_code)] // Zero-copy byte payloads (integration).
 #[derive(Debug)]
 pub(crate) struct ShmLease {
     pub tag: u8,
@@ -681,6 +686,7 @@ pub(crate) struct ShmLease {
     lease: RingLease<Arc<ShmShared>>,
 }
 
+#[allow(dead_code)] // Zero-copy byte payloads (integration).
 impl ShmLease {
     /// The payload, in shared memory.
     pub fn data(&self) -> &[u8] {
@@ -695,5 +701,604 @@ impl ShmLease {
 impl AsRef<[u8]> for ShmLease {
     fn as_ref(&self) -> &[u8] {
         self.data()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    use std::process::{Child, Command, Stdio};
+    use std::thread;
+
+    use super::*;
+    use crate::channel::wait::watchdog::{WATCHDOG, with_watchdog};
+
+    /// Set in a child process: the raw fds of the channels it reads from and writes to.
+    const CHILD_ENV: &str = "ADAG_SHM_TEST_CHILD_FDS";
+    /// Message kinds of the tests: contents to check, or a bare ping.
+    const CHECKED: u8 = 1;
+    const PING: u8 = 0;
+
+    fn config(depth: u32, readers: u32, slot_bytes: usize, max_message_bytes: usize) -> ShmConfig {
+        ShmConfig {
+            depth,
+            readers,
+            slot_bytes,
+            max_message_bytes,
+            spin: DEFAULT_SPIN,
+        }
+    }
+
+    /// The pseudo-random bytes of message `seq` (xorshift64*, seeded by `seq`), after an
+    /// 8-byte header holding `seq`: a reader can check a message knowing nothing but its bytes.
+    fn fill(seq: u64, buf: &mut [u8]) {
+        let mut state = seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        for (index, chunk) in buf.chunks_mut(8).enumerate() {
+            let word = if index == 0 {
+                seq
+            } else {
+                state ^= state >> 12;
+                state ^= state << 25;
+                state ^= state >> 27;
+                state.wrapping_mul(0x2545_F491_4F6C_DD1D)
+            };
+            chunk.copy_from_slice(&word.to_le_bytes()[..chunk.len()]);
+        }
+    }
+
+    /// Checks a message written by [`fill`]; returns its sequence number.
+    fn check(data: &[u8]) -> u64 {
+        assert!(
+            data.len() >= 8,
+            "message of {} bytes lacks its header",
+            data.len()
+        );
+        let seq = u64::from_le_bytes(data[..8].try_into().unwrap());
+        let mut expected = vec![0; data.len()];
+        fill(seq, &mut expected);
+        assert!(
+            data == expected,
+            "message {seq} ({} bytes) is torn",
+            data.len()
+        );
+        seq
+    }
+
+    /// Sizes that force growth: mostly small, every 25th message doubling from 8 KiB to 6 MiB.
+    fn message_len(seq: u64) -> usize {
+        if seq % 25 == 24 {
+            (8 << 10 << (seq / 25)).min(6 << 20)
+        } else {
+            8 + (seq as usize * 97) % 2000
+        }
+    }
+
+    fn send(
+        writer: &mut ShmWriter,
+        seq: u64,
+        len: usize,
+        deadline: Option<Instant>,
+    ) -> Result<(), RingError> {
+        writer.write(
+            CHECKED,
+            &mut |buf: &mut [u8]| {
+                let buf = buf.get_mut(..len).ok_or(len)?;
+                fill(seq, buf);
+                Ok(len)
+            },
+            deadline,
+        )
+    }
+
+    /// Writes a copy of `data`.
+    fn write_copy(
+        writer: &mut ShmWriter,
+        tag: u8,
+        data: &[u8],
+        deadline: Option<Instant>,
+    ) -> Result<(), RingError> {
+        writer.write(
+            tag,
+            &mut |buf: &mut [u8]| {
+                let buf = buf.get_mut(..data.len()).ok_or(data.len())?;
+                buf.copy_from_slice(data);
+                Ok(data.len())
+            },
+            deadline,
+        )
+    }
+
+    /// Writes every message read back, unchanged (checking the `CHECKED` ones), until the
+    /// input closes.
+    fn echo_until_closed(
+        reader: &mut ShmReader,
+        writer: &mut ShmWriter,
+        deadline: Option<Instant>,
+    ) {
+        loop {
+            let frame = match reader.read(deadline) {
+                Ok(frame) => frame,
+                Err(RingError::Closed) => return,
+                Err(err) => panic!("echo: {err}"),
+            };
+            if frame.tag == CHECKED {
+                check(frame.data());
+            }
+            write_copy(writer, frame.tag, frame.data(), deadline).unwrap();
+        }
+    }
+
+    fn after(millis: u64) -> Option<Instant> {
+        Some(Instant::now() + Duration::from_millis(millis))
+    }
+
+    #[test]
+    fn handles_are_send() {
+        fn send<T: Send>() {}
+        send::<ShmChannel>();
+        send::<ShmWriter>();
+        send::<ShmReader>();
+        send::<ShmLease>();
+        send::<ShmFrame<'static>>();
+    }
+
+    /// Four readers (one through its own mapping from `open`, one keeping leases) check every
+    /// message, in order, while messages of growing size force the channel to grow.
+    #[test]
+    fn many_readers_see_every_message_in_order_across_growths() {
+        const MESSAGES: u64 = 300;
+        with_watchdog(WATCHDOG, || {
+            let channel = ShmChannel::create(&config(4, 4, 64, 8 << 20), "stress").unwrap();
+            let reopened = ShmChannel::open(rustix::io::dup(channel.fd()).unwrap()).unwrap();
+            let readers: Vec<_> = (0..4)
+                .map(|index| {
+                    let mut reader = match index {
+                        3 => reopened.reader(index),
+                        _ => channel.reader(index),
+                    };
+                    thread::spawn(move || {
+                        let mut leases = Vec::new();
+                        for expected in 0..MESSAGES {
+                            if index == 2 {
+                                let lease = reader.read_owned(None).unwrap();
+                                assert_eq!(lease.data().len(), message_len(expected));
+                                assert_eq!(check(lease.data()), expected);
+                                // Keep the last two: they must stay intact while the writer
+                                // goes on (and grows) around them.
+                                leases.push(lease);
+                                if leases.len() > 2 {
+                                    let oldest = leases.remove(0);
+                                    check(oldest.data());
+                                }
+                            } else {
+                                let frame = reader.read(None).unwrap();
+                                assert_eq!(
+                                    (frame.tag, frame.data().len()),
+                                    (CHECKED, message_len(expected))
+                                );
+                                assert_eq!(check(frame.data()), expected);
+                            }
+                        }
+                        leases.iter().for_each(|lease| _ = check(lease.data()));
+                        drop(leases);
+                        assert!(matches!(reader.read(None), Err(RingError::Closed)));
+                    })
+                })
+                .collect();
+            let mut writer = channel.writer();
+            for seq in 0..MESSAGES {
+                send(&mut writer, seq, message_len(seq), None).unwrap();
+            }
+            let stride = channel.shared.header().stride.load(Ordering::Relaxed);
+            assert!(
+                stride >= 6 << 20,
+                "the channel did not grow: stride {stride}"
+            );
+            drop(writer);
+            for reader in readers {
+                reader.join().unwrap();
+            }
+        });
+    }
+
+    #[test]
+    fn close_wakes_a_blocked_reader_and_a_blocked_writer() {
+        with_watchdog(WATCHDOG, || {
+            let channel = ShmChannel::create(&config(1, 1, 64, 1024), "close").unwrap();
+            let mut reader = channel.reader(0);
+            let blocked_reader = thread::spawn(move || {
+                let result = reader.read(None).map(|frame| frame.tag);
+                (result, reader)
+            });
+            thread::sleep(Duration::from_millis(50));
+            channel.close();
+            let (result, reader) = blocked_reader.join().unwrap();
+            assert!(matches!(result, Err(RingError::Closed)), "{result:?}");
+            assert!(channel.is_closed());
+            channel.close(); // idempotent
+
+            // A full ring whose reader does not read: the writer sleeps until the close.
+            let channel = ShmChannel::create(&config(1, 1, 64, 1024), "close-writer").unwrap();
+            let (mut writer, _reader) = (channel.writer(), channel.reader(0));
+            send(&mut writer, 0, 16, None).unwrap();
+            let blocked_writer = thread::spawn(move || send(&mut writer, 1, 16, None));
+            thread::sleep(Duration::from_millis(50));
+            channel.close();
+            let result = blocked_writer.join().unwrap();
+            assert!(matches!(result, Err(RingError::Closed)), "{result:?}");
+            drop(reader);
+        });
+    }
+
+    #[test]
+    fn deadlines_give_timeout() {
+        with_watchdog(WATCHDOG, || {
+            let channel = ShmChannel::create(&config(1, 1, 64, 1024), "deadline").unwrap();
+            let (mut writer, mut reader) = (channel.writer(), channel.reader(0));
+            let start = Instant::now();
+            assert!(matches!(reader.read(after(30)), Err(RingError::Timeout)));
+            let waited = start.elapsed();
+            assert!(
+                (Duration::from_millis(30)..Duration::from_secs(5)).contains(&waited),
+                "{waited:?}"
+            );
+            // A deadline already past fails at once when the call would block.
+            assert!(matches!(
+                reader.read(Some(Instant::now())),
+                Err(RingError::Timeout)
+            ));
+
+            send(&mut writer, 0, 16, None).unwrap();
+            let start = Instant::now();
+            assert!(matches!(
+                send(&mut writer, 1, 16, after(30)),
+                Err(RingError::Timeout)
+            ));
+            assert!(start.elapsed() >= Duration::from_millis(30));
+            // Nothing was lost: the first message is there, and the second goes through now.
+            assert_eq!(check(reader.read(after(1000)).unwrap().data()), 0);
+            send(&mut writer, 1, 16, after(1000)).unwrap();
+            assert_eq!(check(reader.read(after(1000)).unwrap().data()), 1);
+        });
+    }
+
+    #[test]
+    fn too_large_fails_and_the_channel_stays_usable() {
+        with_watchdog(WATCHDOG, || {
+            let channel = ShmChannel::create(&config(2, 1, 64, 64 << 10), "large").unwrap();
+            let (mut writer, mut reader) = (channel.writer(), channel.reader(0));
+            let err = send(&mut writer, 0, 100 << 10, None).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    RingError::TooLarge {
+                        size: 102_400,
+                        limit: 65_536
+                    }
+                ),
+                "{err:?}"
+            );
+            assert!(
+                err.to_string()
+                    .contains("102400 bytes exceeds the channel's limit of 65536"),
+                "{err}"
+            );
+            // Exactly the ceiling fits.
+            send(&mut writer, 1, 64 << 10, None).unwrap();
+            send(&mut writer, 2, 100, None).unwrap();
+            assert_eq!(check(reader.read(None).unwrap().data()), 1);
+            assert_eq!(check(reader.read(None).unwrap().data()), 2);
+            // A broken encoder is reported, not looped on.
+            let err = writer.write(CHECKED, &mut |_| Err(1), None).unwrap_err();
+            assert!(matches!(err, RingError::Corrupt(_)), "{err:?}");
+        });
+    }
+
+    #[test]
+    fn writer_drop_drains_then_closes_and_reader_drop_closes() {
+        with_watchdog(WATCHDOG, || {
+            let channel = ShmChannel::create(&config(4, 2, 64, 1024), "drop").unwrap();
+            let (mut writer, mut first, second) =
+                (channel.writer(), channel.reader(0), channel.reader(1));
+            send(&mut writer, 0, 16, None).unwrap();
+            send(&mut writer, 1, 16, None).unwrap();
+            drop(writer);
+            assert_eq!(check(first.read(None).unwrap().data()), 0);
+            assert_eq!(check(first.read(None).unwrap().data()), 1);
+            assert!(matches!(first.read(None), Err(RingError::Closed)));
+            drop(second);
+
+            let channel = ShmChannel::create(&config(4, 2, 64, 1024), "drop-reader").unwrap();
+            let (mut writer, reader) = (channel.writer(), channel.reader(0));
+            drop(reader);
+            assert!(matches!(
+                send(&mut writer, 0, 16, None),
+                Err(RingError::Closed)
+            ));
+        });
+    }
+
+    #[test]
+    fn a_lease_survives_growth_and_later_reads() {
+        with_watchdog(WATCHDOG, || {
+            let channel = ShmChannel::create(&config(3, 1, 64, 1 << 20), "lease").unwrap();
+            let (mut writer, mut reader) = (channel.writer(), channel.reader(0));
+            send(&mut writer, 0, 1000, None).unwrap();
+            let kept = reader.read_owned(None).unwrap();
+            send(&mut writer, 1, 500 << 10, None).unwrap(); // grows
+            send(&mut writer, 2, 100, None).unwrap();
+            assert_eq!(check(reader.read(None).unwrap().data()), 1);
+            assert_eq!(check(reader.read(None).unwrap().data()), 2);
+            // Slot 0 is still held: the ring is full until the lease goes.
+            assert!(matches!(
+                send(&mut writer, 3, 16, after(20)),
+                Err(RingError::Timeout)
+            ));
+            let kept = thread::spawn(move || check(kept.as_ref())).join().unwrap();
+            assert_eq!(kept, 0);
+            send(&mut writer, 3, 16, after(1000)).unwrap();
+            assert_eq!(check(reader.read(None).unwrap().data()), 3);
+        });
+    }
+
+    #[test]
+    fn open_rejects_what_is_not_a_channel() {
+        with_watchdog(WATCHDOG, open_rejects_what_is_not_a_channel_body);
+    }
+
+    fn open_rejects_what_is_not_a_channel_body() {
+        let plain = rustix::fs::memfd_create("adag-test-plain", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&plain, 1 << 16).unwrap();
+        let err = ShmChannel::open(plain).unwrap_err();
+        assert!(err.to_string().contains("not sealed"), "{err}");
+
+        let zeros = rustix::fs::memfd_create(
+            "adag-test-zeros",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )
+        .unwrap();
+        rustix::fs::ftruncate(&zeros, 1 << 16).unwrap();
+        rustix::fs::fcntl_add_seals(&zeros, SealFlags::SHRINK).unwrap();
+        let err = ShmChannel::open(zeros).unwrap_err();
+        assert!(err.to_string().contains("bad magic"), "{err}");
+
+        let err = ShmChannel::create(&config(0, 1, 64, 1024), "bad").unwrap_err();
+        assert!(err.to_string().contains("depth 0"), "{err}");
+    }
+
+    /// Starts this test binary again as the child running [`child_echo`], passing the fds of
+    /// the channel it reads (`to_child`) and the one it writes (`from_child`).
+    fn spawn_echo_child(to_child: &ShmChannel, from_child: &ShmChannel) -> Child {
+        // Inheritable copies (no CLOEXEC), closed here once the child has its own.
+        let fds = [
+            rustix::io::dup(to_child.fd()).unwrap(),
+            rustix::io::dup(from_child.fd()).unwrap(),
+        ];
+        let test = format!("{}::child_echo", module_path!().split_once("::").unwrap().1);
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                &test,
+                "--include-ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(
+                CHILD_ENV,
+                format!("{},{}", fds[0].as_raw_fd(), fds[1].as_raw_fd()),
+            )
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        drop(fds);
+        child
+    }
+
+    fn wait_child(mut child: Child, limit: Duration) {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                assert!(status.success(), "the child process failed: {status}");
+                return;
+            }
+            if start.elapsed() > limit {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("watchdog: the child process still runs after {limit:?}");
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The child side of the cross-process tests: reads every message, checks the `CHECKED`
+    /// ones, and writes each back unchanged, until the channel closes.
+    #[test]
+    #[ignore = "the child process of the cross-process tests"]
+    fn child_echo() {
+        let Ok(fds) = std::env::var(CHILD_ENV) else {
+            return;
+        };
+        let open = |raw: &str| {
+            // SAFETY: the parent left this fd open, without CLOEXEC, for this process alone;
+            // nothing else here owns it.
+            let fd = unsafe { OwnedFd::from_raw_fd(raw.parse().unwrap()) };
+            rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC).unwrap();
+            ShmChannel::open(fd).unwrap()
+        };
+        let (input, output) = fds.split_once(',').unwrap();
+        let (input, output) = (open(input), open(output));
+        let (mut reader, mut writer) = (input.reader(0), output.writer());
+        pin_for_bench(1);
+        echo_until_closed(&mut reader, &mut writer, Some(Instant::now() + WATCHDOG));
+    }
+
+    /// Messages of growing sizes go to another process and back; both sides check them.
+    #[test]
+    fn messages_cross_processes_intact() {
+        const MESSAGES: u64 = 200;
+        with_watchdog(WATCHDOG, || {
+            let to_child = ShmChannel::create(&config(4, 1, 64, 8 << 20), "to-child").unwrap();
+            let from_child = ShmChannel::create(&config(4, 1, 64, 8 << 20), "from-child").unwrap();
+            let child = spawn_echo_child(&to_child, &from_child);
+            let (mut writer, mut reader) = (to_child.writer(), from_child.reader(0));
+            // Keep up to `depth` messages in flight each way.
+            let mut received = 0;
+            for seq in 0..MESSAGES {
+                send(&mut writer, seq, message_len(seq), None).unwrap();
+                if seq >= 3 {
+                    assert_eq!(check(reader.read(None).unwrap().data()), received);
+                    received += 1;
+                }
+            }
+            drop(writer);
+            while received < MESSAGES {
+                assert_eq!(check(reader.read(None).unwrap().data()), received);
+                received += 1;
+            }
+            assert!(matches!(reader.read(None), Err(RingError::Closed)));
+            wait_child(child, WATCHDOG);
+        });
+    }
+
+    /// With `ADAG_SHM_BENCH_PIN` set, pins the calling thread to `cpu`: the bench then measures
+    /// two ends on two CPUs even on a busy machine (where the scheduler may stack them on one).
+    fn pin_for_bench(cpu: usize) {
+        if std::env::var_os("ADAG_SHM_BENCH_PIN").is_some() {
+            let mut set = rustix::thread::CpuSet::new();
+            set.set(cpu);
+            rustix::thread::sched_setaffinity(None, &set).unwrap();
+        }
+    }
+
+    fn percentile(sorted: &[Duration], p: f64) -> Duration {
+        sorted[((sorted.len() - 1) as f64 * p) as usize]
+    }
+
+    /// Round trips of an 8-byte message through `writer` and back through `reader`.
+    fn ping_pong(
+        writer: &mut ShmWriter,
+        reader: &mut ShmReader,
+        rounds: usize,
+    ) -> (Duration, Duration) {
+        let mut times = Vec::with_capacity(rounds);
+        for round in 0..rounds + rounds / 10 {
+            let start = Instant::now();
+            writer
+                .write(
+                    PING,
+                    &mut |buf: &mut [u8]| {
+                        buf[..8].copy_from_slice(&(round as u64).to_le_bytes());
+                        Ok(8)
+                    },
+                    None,
+                )
+                .unwrap();
+            let frame = reader.read(None).unwrap();
+            assert_eq!(frame.data()[..8], (round as u64).to_le_bytes());
+            drop(frame);
+            // The first tenth warms up.
+            if round >= rounds / 10 {
+                times.push(start.elapsed());
+            }
+        }
+        times.sort();
+        (percentile(&times, 0.5), percentile(&times, 0.99))
+    }
+
+    /// Copies `message` through the channel `count` times; returns the time per message.
+    fn stream(
+        writer: &mut ShmWriter,
+        reader: &mut ShmReader,
+        message: &[u8],
+        count: usize,
+    ) -> Duration {
+        let mut out = vec![0u8; message.len()];
+        let start = Instant::now();
+        for _ in 0..count {
+            write_copy(writer, PING, message, None).unwrap();
+            out.copy_from_slice(reader.read(None).unwrap().data());
+        }
+        start.elapsed() / count as u32
+    }
+
+    /// Prints the round trip between threads and between processes, and the time to move a
+    /// 64 MiB message:
+    /// `[ADAG_SHM_BENCH_PIN=1] cargo test --release --lib channel::shm::tests::bench -- --ignored --nocapture`
+    #[test]
+    #[ignore = "a measurement, not a test"]
+    fn bench() {
+        const ROUNDS: usize = 100_000;
+        const BIG: usize = 64 << 20;
+        with_watchdog(Duration::from_secs(600), || {
+            let cfg = config(4, 1, 4096, 128 << 20);
+            let big: Vec<u8> = (0..BIG).map(|i| (i * 31 % 251) as u8).collect();
+
+            // Threads: an echo thread between two channels.
+            let (there, back) = (
+                ShmChannel::create(&cfg, "bench-there").unwrap(),
+                ShmChannel::create(&cfg, "bench-back").unwrap(),
+            );
+            let (mut echo_reader, mut echo_writer) = (there.reader(0), back.writer());
+            let echo = thread::spawn(move || {
+                pin_for_bench(1);
+                echo_until_closed(&mut echo_reader, &mut echo_writer, None);
+            });
+            let (mut writer, mut reader) = (there.writer(), back.reader(0));
+            pin_for_bench(0);
+            let (p50, p99) = ping_pong(&mut writer, &mut reader, ROUNDS);
+            println!("thread ping-pong: p50 {p50:?}, p99 {p99:?} over {ROUNDS} round trips");
+            stream(&mut writer, &mut reader, &big, 2); // grow and warm up
+            let per = stream(&mut writer, &mut reader, &big, 10);
+            println!(
+                "thread echo of 64 MiB (write, echo copy, read copy): {per:?} per message, {:.2} GB/s",
+                BIG as f64 / per.as_secs_f64() / 1e9
+            );
+            drop((writer, reader));
+            echo.join().unwrap();
+
+            // One writer thread, one reader thread: write (copy in) and read (copy out).
+            let channel = ShmChannel::create(&cfg, "bench-stream").unwrap();
+            let (mut writer, mut reader) = (channel.writer(), channel.reader(0));
+            let consumer = thread::spawn(move || {
+                let mut out = vec![0u8; BIG];
+                let mut count = 0;
+                let mut start = Instant::now();
+                while let Ok(frame) = reader.read(None) {
+                    out.copy_from_slice(frame.data());
+                    count += 1;
+                    if count == 2 {
+                        start = Instant::now(); // after growth and warm-up
+                    }
+                }
+                start.elapsed() / (count - 2)
+            });
+            for _ in 0..22 {
+                write_copy(&mut writer, PING, &big, None).unwrap();
+            }
+            drop(writer);
+            let per = consumer.join().unwrap();
+            println!(
+                "pipelined 64 MiB write+read between threads: {per:?} per message, {:.2} GB/s",
+                BIG as f64 / per.as_secs_f64() / 1e9
+            );
+
+            // Processes: the echo child.
+            let (there, back) = (
+                ShmChannel::create(&cfg, "bench-there").unwrap(),
+                ShmChannel::create(&cfg, "bench-back").unwrap(),
+            );
+            let child = spawn_echo_child(&there, &back);
+            let (mut writer, mut reader) = (there.writer(), back.reader(0));
+            let (p50, p99) = ping_pong(&mut writer, &mut reader, ROUNDS);
+            println!("process ping-pong: p50 {p50:?}, p99 {p99:?} over {ROUNDS} round trips");
+            stream(&mut writer, &mut reader, &big, 2);
+            let per = stream(&mut writer, &mut reader, &big, 10);
+            println!(
+                "process echo of 64 MiB (write, echo copy, read copy): {per:?} per message, {:.2} GB/s",
+                BIG as f64 / per.as_secs_f64() / 1e9
+            );
+            drop((writer, reader));
+            wait_child(child, Duration::from_secs(60));
+        });
     }
 }

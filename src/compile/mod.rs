@@ -2,12 +2,15 @@
 use crate::actor::HandleCore;
 use crate::dag::{ArgInner, DagInner, InputKind, NodeInner, NodeKind};
 use crate::error::{Error, Result};
-use plan::{ActorPlan, ArgSource, EdgePlan, GraphPlan, Loc, OpSpec, ShmEdge};
+use plan::{ActorPlan, ArgSource, EdgePlan, GraphPlan, Loc, OpSpec, ShmEdge, Stage};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 
+pub(crate) mod comms;
 mod options;
 pub(crate) mod plan;
+pub(crate) mod schedule;
+pub use comms::CommunicatorInfo;
 pub use options::{CompileOptions, DefaultCommunicator};
 pub(crate) use options::deadline_after;
 
@@ -18,6 +21,8 @@ pub(crate) struct Planned {
     pub nodes: BTreeMap<u64, Arc<NodeInner>>,
     /// The distinct actors, in first-use order.
     pub actors: Vec<HandleCore>,
+    /// The communicator groups and who uses them.
+    pub comm: comms::CommPlan,
 }
 
 fn loc_of(node: &NodeInner) -> Loc {
@@ -30,7 +35,8 @@ fn method_label(node: &NodeInner) -> String {
 
 /// Validate the graph reached from `outputs` and plan it. Claims every actor for the graph;
 /// the caller releases them if anything later fails.
-pub(crate) fn plan(dag: &Arc<DagInner>, outputs: &[Arc<NodeInner>], depth: usize, graph: u64) -> Result<Planned> {
+pub(crate) fn plan(dag: &Arc<DagInner>, outputs: &[Arc<NodeInner>], opts: &CompileOptions, graph: u64) -> Result<Planned> {
+    let depth = opts.max_inflight_executions;
     if outputs.is_empty() {
         return Err(Error::compile("outputs", "no output was given; pass a node, a tuple or a Vec of nodes"));
     }
@@ -49,6 +55,9 @@ pub(crate) fn plan(dag: &Arc<DagInner>, outputs: &[Arc<NodeInner>], depth: usize
     }
     for n in nodes.values() {
         check_node(dag, n)?;
+    }
+    for n in nodes.values() {
+        check_collective(n, &nodes)?;
     }
     let input = dag.input.lock().clone();
     let Some(_) = input else {
@@ -88,14 +97,39 @@ pub(crate) fn plan(dag: &Arc<DagInner>, outputs: &[Arc<NodeInner>], depth: usize
         }
     }
     let actors = claim_actors(&nodes, graph)?;
-    let result = build_plan(&nodes, outputs, depth, graph);
+    let result = build_plan(&nodes, outputs, opts, graph);
     match result {
-        Ok(plan) => Ok(Planned { plan, nodes, actors }),
+        Ok((plan, comm)) => Ok(Planned { plan, nodes, actors, comm }),
         Err(e) => {
             release_actors(&actors, graph);
             Err(e)
         }
     }
+}
+
+/// A collective runs only if every actor takes part: each of its outputs must be part of the
+/// graph.
+fn check_collective(n: &Arc<NodeInner>, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> Result<()> {
+    let NodeKind::Collective { group, .. } = &n.kind else {
+        return Ok(());
+    };
+    if let Some(e) = &group.error {
+        return Err(Error::compile(n.describe(), e.clone()));
+    }
+    let names = group.actor_names();
+    for (i, out) in group.outputs.lock().iter().enumerate() {
+        let reached = out.upgrade().is_some_and(|o| nodes.contains_key(&o.id));
+        if !reached {
+            return Err(Error::compile(
+                n.describe(),
+                format!(
+                    "the output of this collective on actor {} (input {i}) is not used by the graph, but every actor of a collective must take part; use each of its outputs (as an output of the graph or an argument of a task)",
+                    names.get(i).cloned().unwrap_or_default()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn check_node(dag: &Arc<DagInner>, n: &Arc<NodeInner>) -> Result<()> {
@@ -133,10 +167,11 @@ fn check_node(dag: &Arc<DagInner>, n: &Arc<NodeInner>) -> Result<()> {
                     ArgInner::Node(up) => format!("node {}", up.describe()),
                     ArgInner::Const(_) => "a constant".to_string(),
                 };
+                let name = sig.names.get(i).copied().unwrap_or("?");
                 return Err(Error::compile(
                     n.describe(),
                     format!(
-                        "argument {i} of `{method}` has type {} but {from} gives {}; bind a value of the right type",
+                        "argument {i} (`{name}`) of `{method}` has type {} but {from} gives {}; bind a value of the right type",
                         want.name(),
                         have.name()
                     ),
@@ -214,7 +249,13 @@ fn process_of(loc: Loc, actors: &BTreeMap<u64, HandleCore>) -> u64 {
     }
 }
 
-fn build_plan(nodes: &BTreeMap<u64, Arc<NodeInner>>, outputs: &[Arc<NodeInner>], depth: usize, graph: u64) -> Result<GraphPlan> {
+fn build_plan(
+    nodes: &BTreeMap<u64, Arc<NodeInner>>,
+    outputs: &[Arc<NodeInner>],
+    opts: &CompileOptions,
+    graph: u64,
+) -> Result<(GraphPlan, comms::CommPlan)> {
+    let depth = opts.max_inflight_executions;
     let actors: BTreeMap<u64, HandleCore> = nodes
         .values()
         .filter_map(|n| n.actor().map(|a| (a.id(), a.clone())))
@@ -229,6 +270,7 @@ fn build_plan(nodes: &BTreeMap<u64, Arc<NodeInner>>, outputs: &[Arc<NodeInner>],
     for out in outputs {
         readers.entry(out.id).or_default().insert(Loc::Driver);
     }
+    let comm = comms::resolve(nodes, &readers, &actors, &opts.default_communicator)?;
     let mut edges = BTreeMap::new();
     for (id, n) in nodes {
         let writer = loc_of(n);
@@ -271,7 +313,15 @@ fn build_plan(nodes: &BTreeMap<u64, Arc<NodeInner>>, outputs: &[Arc<NodeInner>],
             .or_insert_with(|| (actor.name().to_string(), Vec::new(), HashSet::new()));
         for up in n.upstream() {
             if edges[&up.id].writer != me && read.insert(up.id) {
-                ops.push(OpSpec::Read { edge: up.id });
+                ops.push(match comm.edges.get(&up.id) {
+                    Some(c) => OpSpec::Recv {
+                        edge: up.id,
+                        group: c.group,
+                        peer: c.writer_rank,
+                        stage: Stage::Inline,
+                    },
+                    None => OpSpec::Read { edge: up.id },
+                });
             }
         }
         match &n.kind {
@@ -297,10 +347,34 @@ fn build_plan(nodes: &BTreeMap<u64, Arc<NodeInner>>, outputs: &[Arc<NodeInner>],
                     index: *index,
                 })
             }
+            NodeKind::Collective { input, group, index } => {
+                let c = comm
+                    .collectives
+                    .get(&group.id)
+                    .ok_or_else(|| Error::compile(n.describe(), "this collective has no communicator group (a bug)"))?;
+                ops.push(OpSpec::Collective {
+                    node: *id,
+                    input: input.id,
+                    coll: group.id,
+                    kind: group.kind,
+                    group: c.group,
+                    order: c.order.clone(),
+                    index: *index,
+                    stage: Stage::Inline,
+                })
+            }
             NodeKind::Input(_) => {}
         }
         if edges[id].has_channel() {
-            ops.push(OpSpec::Write { edge: *id });
+            ops.push(match comm.edges.get(id) {
+                Some(c) => OpSpec::Send {
+                    edge: *id,
+                    group: c.group,
+                    peers: c.readers.iter().map(|r| r.1).collect(),
+                    stage: Stage::Inline,
+                },
+                None => OpSpec::Write { edge: *id },
+            });
         }
     }
     let inputs = nodes
@@ -308,7 +382,7 @@ fn build_plan(nodes: &BTreeMap<u64, Arc<NodeInner>>, outputs: &[Arc<NodeInner>],
         .filter(|n| matches!(n.kind, NodeKind::Input(_)))
         .map(|n| n.id)
         .collect();
-    Ok(GraphPlan {
+    let mut plan = GraphPlan {
         graph,
         depth,
         edges,
@@ -318,5 +392,7 @@ fn build_plan(nodes: &BTreeMap<u64, Arc<NodeInner>>, outputs: &[Arc<NodeInner>],
             .collect(),
         inputs,
         outputs: outputs.iter().map(|o| o.id).collect(),
-    })
+    };
+    schedule::finish(&mut plan, opts.overlap_gpu_communication)?;
+    Ok((plan, comm))
 }

@@ -13,10 +13,13 @@ use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
+pub mod collective;
 pub(crate) mod input;
 mod output;
+pub(crate) mod transport;
 pub use input::{InputNode, TupleArg};
 pub use output::{IntoOutputs, MultiOutput};
+pub use transport::{CustomCommunicator, Transport};
 
 static NEXT_NODE_ID: AtomicU64 = AtomicU64::new(1);
 static NEXT_DAG_ID: AtomicU64 = AtomicU64::new(1);
@@ -45,7 +48,6 @@ pub(crate) struct DagInner {
     /// Every node created in this graph, for the leaf check at compile time.
     pub(crate) nodes: Mutex<Vec<Weak<NodeInner>>>,
     pub(crate) input: Mutex<Option<Arc<NodeInner>>>,
-    pub(crate) compiled: Mutex<bool>,
 }
 
 impl<I: Value> Default for Dag<I> {
@@ -62,7 +64,6 @@ impl<I: Value> Dag<I> {
                 id: NEXT_DAG_ID.fetch_add(1, Ordering::Relaxed),
                 nodes: Mutex::new(Vec::new()),
                 input: Mutex::new(None),
-                compiled: Mutex::new(false),
             }),
             _input: PhantomData,
         }
@@ -110,6 +111,12 @@ pub(crate) enum NodeKind {
         source: Arc<NodeInner>,
         index: usize,
     },
+    /// The part of collective `group` that runs on the actor of `input` (its `index`-th input).
+    Collective {
+        input: Arc<NodeInner>,
+        group: Arc<collective::CollectiveGroup>,
+        index: usize,
+    },
 }
 
 /// A node of the graph whose value has type `T`.
@@ -142,6 +149,8 @@ pub(crate) struct NodeInner {
     pub(crate) ty: TypeTag,
     /// For input nodes: how the driver computes this part from the whole input.
     pub(crate) feed: Option<Box<dyn Any + Send + Sync>>,
+    /// How a tensor value travels to readers on other actors (`with_tensor_transport`).
+    pub(crate) transport: Mutex<Option<Transport>>,
 }
 
 impl NodeInner {
@@ -168,6 +177,7 @@ impl NodeInner {
             kind,
             ty,
             feed,
+            transport: Mutex::new(None),
         });
         if let Some(dag) = dag {
             dag.nodes.lock().push(Arc::downgrade(&node));
@@ -185,6 +195,10 @@ impl NodeInner {
                 format!("{}.{}#{}", actor.name(), method, self.id)
             }
             NodeKind::Split { source, index } => format!("{}[{}]", source.describe(), index),
+            NodeKind::Collective { input, group, .. } => match input.actor() {
+                Some(a) => format!("{}.{}#{}", a.name(), group.kind, self.id),
+                None => format!("{}.{}#{}", input.describe(), group.kind, self.id),
+            },
         }
     }
 
@@ -193,6 +207,7 @@ impl NodeInner {
         match &self.kind {
             NodeKind::Method { actor, .. } => Some(actor),
             NodeKind::Split { source, .. } => source.actor(),
+            NodeKind::Collective { input, .. } => input.actor(),
             NodeKind::Input(_) => None,
         }
     }
@@ -208,6 +223,7 @@ impl NodeInner {
                 })
                 .collect(),
             NodeKind::Split { source, .. } => vec![source],
+            NodeKind::Collective { input, .. } => vec![input],
         }
     }
 }

@@ -3,7 +3,7 @@
 use crate::actor::HandleCore;
 use crate::actor::worker::DeathSink;
 use crate::actor::host::{ActorLink, Control, RunRequest};
-use crate::channel::endpoint::{ChanError, EdgeReader, EdgeWriter, Msg, ProcChannels};
+use crate::channel::endpoint::{ChanError, EdgeReader, EdgeWriter, ProcChannels};
 use crate::channel::shm::{ShmChannel, ShmConfig};
 use crate::compile::plan::{GraphPlan, Loc};
 use crate::compile::{CompileOptions, Planned, deadline_after, release_actors};
@@ -120,7 +120,6 @@ pub(crate) trait RefOwner: Send + Sync {
 pub(crate) struct GraphShared<I> {
     pub(crate) id: u64,
     opts: CompileOptions,
-    plan: Arc<GraphPlan>,
     chans: Arc<ProcChannels>,
     actors: Vec<HandleCore>,
     output_labels: Vec<String>,
@@ -138,6 +137,8 @@ pub(crate) struct GraphShared<I> {
     /// Signalled (with `results`) when a buffered result is claimed or dropped: room for the
     /// async pump.
     room: Condvar,
+    /// The communicator groups of the graph, destroyed at teardown.
+    comms: crate::compile::comms::CommSetup,
 }
 
 /// A compiled graph: execute it many times, then tear it down (also on drop).
@@ -193,7 +194,7 @@ impl<I: Value> crate::dag::Dag<I> {
         let specs = outputs.output_specs();
         let nodes: Vec<_> = specs.iter().map(|s| s.node.inner.clone()).collect();
         let graph = crate::dag::next_graph_id();
-        let planned = crate::compile::plan(&self.inner, &nodes, opts.max_inflight_executions, graph)?;
+        let planned = crate::compile::plan(&self.inner, &nodes, &opts, graph)?;
         let actors = planned.actors.clone();
         match start(planned, specs, opts) {
             Ok(shared) => Ok(CompiledGraph {
@@ -210,8 +211,10 @@ impl<I: Value> crate::dag::Dag<I> {
 }
 
 fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOptions) -> Result<Arc<GraphShared<I>>> {
-    let Planned { plan, nodes, actors } = planned;
+    let Planned { plan, nodes, actors, comm } = planned;
     let plan = Arc::new(plan);
+    // Communicator groups: made (or taken from the user) before any actor installs.
+    let comms = crate::compile::comms::CommSetup::start(comm, plan.graph)?;
     let mut shm = HashMap::new();
     for edge in plan.edges.values() {
         if let Some(s) = &edge.shm {
@@ -235,25 +238,33 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
     for actor in &actors {
         let (installed, installed_rx) = crossbeam_channel::bounded(1);
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
-        match &actor.0.link {
-            ActorLink::Thread(link) => {
+        let sent = match &actor.0.link {
+            ActorLink::Thread(link) => comms.thread_comms(actor).and_then(|actor_comms| {
                 link.control
                     .send(Control::Run(RunRequest {
                         plan: plan.clone(),
                         chans: chans.clone(),
+                        comms: actor_comms,
                         installed,
                         done: done_tx,
                     }))
-                    .map_err(|_| Error::compile(actor.name(), "the actor's thread has stopped"))?;
-            }
-            ActorLink::Process(link) => {
-                link.install(actor.id(), plan.clone(), &chans, installed, done_tx)?;
-            }
+                    .map_err(|_| Error::compile(actor.name(), "the actor's thread has stopped"))
+            }),
+            ActorLink::Process(link) => comms
+                .tickets(actor)
+                .and_then(|tickets| link.install(actor.id(), plan.clone(), &chans, installed, done_tx, tickets)),
+        };
+        if let Err(e) = sent {
+            // The actors already started wake and stop.
+            comms.destroy_all();
+            chans.close_all();
+            return Err(e);
         }
         done.push((actor.name().to_string(), done_rx));
         installing.push((actor.name().to_string(), installed_rx));
     }
     let fail = |e: Error| {
+        comms.destroy_all();
         chans.close_all();
         e
     };
@@ -290,7 +301,12 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
         }
     }
     let output_labels = specs.iter().map(|s| s.node.describe()).collect();
-    let dot = viz::dot(&plan, &nodes);
+    let mut dot = viz::dot(&plan, &nodes);
+    if !comms.groups.is_empty() && dot.ends_with("}\n") {
+        dot.truncate(dot.len() - 2);
+        dot.push_str(&comms.dot());
+        dot.push_str("}\n");
+    }
     let shared = Arc::new(GraphShared {
         id: plan.graph,
         submit: Mutex::new(SubmitState {
@@ -311,7 +327,6 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
         next_read: AtomicU64::new(0),
         teardown_lock: Mutex::new(()),
         opts,
-        plan,
         chans,
         actors,
         output_labels,
@@ -321,11 +336,11 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
         done: Mutex::new(done),
         dot,
         room: Condvar::new(),
+        comms,
     });
     if shared.opts.enable_asyncio {
-        pump::start(&shared).map_err(|e| {
+        pump::start(&shared).inspect_err(|_| {
             let _ = shared.teardown_with(Some("the async result pump could not start".into()));
-            e
         })?;
     }
     let sink: Arc<dyn DeathSink> = shared.clone();
@@ -524,6 +539,8 @@ impl<I: Value> GraphShared<I> {
         *self.torn_reason.lock() = reason;
         // Closing first wakes any get blocked on a channel, so the locks below come free.
         self.chans.close_all();
+        // Destroying the communicator groups wakes every actor blocked in one.
+        self.comms.destroy_all();
         {
             let mut sub = self.submit.lock();
             sub.feeders.clear();
@@ -695,6 +712,12 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
     /// The graph and every actor's schedule as Graphviz DOT.
     pub fn visualize(&self) -> String {
         self.shared.dot.clone()
+    }
+
+    /// The communicator groups of the graph (made by `DefaultCommunicator::Create` or the
+    /// user's own), in the order the compiler chose them, with the nodes that use each.
+    pub fn communicators(&self) -> Vec<crate::compile::CommunicatorInfo> {
+        self.shared.comms.infos()
     }
 
     /// The graph's id (shown in errors).
