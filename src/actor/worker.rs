@@ -41,6 +41,8 @@ pub(crate) fn graphs() -> &'static Mutex<HashMap<u64, std::sync::Weak<dyn DeathS
     GRAPHS.get_or_init(Default::default)
 }
 
+type CallReply = Result<Vec<u8>, WireFailure>;
+
 #[derive(Default)]
 struct GraphSlots {
     installed: Option<Sender<Result<(), String>>>,
@@ -51,7 +53,7 @@ struct LinkShared {
     name: String,
     sock: OwnedFd,
     send_lock: Mutex<()>,
-    pending_call: Mutex<Option<Sender<Result<Vec<u8>, WireFailure>>>>,
+    pending_call: Mutex<Option<Sender<CallReply>>>,
     spawned: Mutex<Option<Sender<Result<(), String>>>>,
     graph: Mutex<GraphSlots>,
     dead: Mutex<Option<String>>,
@@ -301,9 +303,16 @@ impl ProcessLink {
         chans: &ProcChannels,
         installed: Sender<Result<(), String>>,
         done: Sender<String>,
+        comms: (Vec<super::wire::CommTicket>, Vec<BorrowedFd<'_>>),
     ) -> Result<()> {
         if let Some(dead) = self.shared.died() {
             return Err(dead);
+        }
+        if !comms.0.is_empty() {
+            // The communicator ranks go first, in a message of their own (see `InstallComms`).
+            self.shared
+                .send(&ToWorker::InstallComms { comms: comms.0 }, &comms.1)
+                .map_err(|e| Error::io(format!("sending the communicators to {}", self.shared.name), e))?;
         }
         let me = Loc::Actor(actor);
         let mut ids = Vec::new();
@@ -328,7 +337,10 @@ impl ProcessLink {
                 },
                 &fds,
             )
-            .map_err(|e| Error::io(format!("sending the schedule to {}", self.shared.name), e))
+            .map_err(|e| {
+                self.death_within(Duration::from_millis(500))
+                    .unwrap_or_else(|| Error::io(format!("sending the schedule to {}", self.shared.name), e))
+            })
     }
 
     pub(crate) fn kill(&self) -> Result<()> {
@@ -343,6 +355,15 @@ impl ProcessLink {
 
     pub(crate) fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// Why the worker died, waiting up to `wait` for its monitor to record it: a broken link
+    /// is often noticed before the monitor has reaped the process.
+    pub(crate) fn death_within(&self, wait: Duration) -> Option<Error> {
+        if self.shared.died().is_none() {
+            let _ = self.exited.recv_timeout(wait);
+        }
+        self.shared.died()
     }
 
     pub(crate) fn is_dead(&self) -> bool {
@@ -409,11 +430,16 @@ pub(crate) fn maybe_run_worker() {
     // SAFETY: fd WORKER_FD was placed in this process by the driver's pre_exec (dup2) for
     // exactly this purpose; nothing else in the process owns or closes it.
     let sock = unsafe { OwnedFd::from_raw_fd(WORKER_FD) };
+    // The fd crossed exec without FD_CLOEXEC; set it again, so that processes the actor
+    // launches do not inherit the control socket (one would keep the driver's link to this
+    // worker open after the worker is gone).
+    let _ = rustix::io::fcntl_setfd(&sock, rustix::io::FdFlags::CLOEXEC);
     let code = worker_main(sock);
     std::process::exit(code);
 }
 
 fn worker_main(sock: OwnedFd) -> i32 {
+    keep_freed_memory();
     let sock = Arc::new(sock);
     let send_lock = Arc::new(Mutex::new(()));
     let send = {
@@ -458,6 +484,8 @@ fn worker_main(sock: OwnedFd) -> i32 {
     if !ok {
         return 4;
     }
+    // The communicators of the next `Install`.
+    let mut comms: Result<super::comm_ops::CommMap, String> = Ok(HashMap::new());
     loop {
         let (msg, fds) = match wire::recv::<ToWorker>(sock.as_fd()) {
             Ok(Some(m)) => m,
@@ -482,9 +510,17 @@ fn worker_main(sock: OwnedFd) -> i32 {
                 };
                 send(&FromWorker::CallResult(result));
             }
+            ToWorker::InstallComms { comms: tickets } => {
+                comms = super::comm_ops::open_tickets(tickets, fds);
+            }
             ToWorker::Install { plan, chans } => {
                 let mut shm = HashMap::new();
                 let mut error = None;
+                let comms = std::mem::replace(&mut comms, Ok(HashMap::new()));
+                let comms = comms.unwrap_or_else(|e| {
+                    error = Some(e);
+                    HashMap::new()
+                });
                 if fds.len() != chans.len() {
                     error = Some(format!("expected {} channel fds, got {}", chans.len(), fds.len()));
                 }
@@ -506,6 +542,7 @@ fn worker_main(sock: OwnedFd) -> i32 {
                 let request = RunRequest {
                     plan: Arc::new(plan),
                     chans: Arc::new(ProcChannels::new(shm)),
+                    comms,
                     installed,
                     done,
                 };
@@ -521,6 +558,19 @@ fn worker_main(sock: OwnedFd) -> i32 {
                 });
             }
         }
+    }
+}
+
+/// A worker decodes and encodes large payloads over and over: keep freed memory in the heap
+/// instead of returning it to the kernel, so that the next buffer of the same size is not
+/// faulted in page by page again (glibc maps allocations over 32 MiB afresh every time).
+fn keep_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only tunes glibc's allocator; it is called before the worker starts
+    // any other thread, so no allocation runs concurrently with the change.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 31);
     }
 }
 

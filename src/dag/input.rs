@@ -129,6 +129,28 @@ pub(crate) fn feed<I: Value, T: Value>(
     Box::new(feed)
 }
 
+/// The whole input: written by reference, so shared-memory readers cost no clone of it.
+struct WholeFeed;
+
+pub(crate) fn whole_feed<I: Value>() -> Box<dyn Any + Send + Sync> {
+    let feed: Arc<dyn InputFeed<I>> = Arc::new(WholeFeed);
+    Box::new(feed)
+}
+
+impl<I: Value> InputFeed<I> for WholeFeed {
+    fn feeder(&self, io: &DriverIo, plan: &GraphPlan, edge: u64) -> crate::Result<Box<dyn Feeder<I>>> {
+        Ok(Box::new(WholeFeeder(io.writer::<I>(plan, edge)?)))
+    }
+}
+
+struct WholeFeeder<I>(EdgeWriter<I>);
+
+impl<I: Value> Feeder<I> for WholeFeeder<I> {
+    fn feed(&mut self, input: &I, deadline: Option<Instant>) -> Result<(), ChanError> {
+        self.0.write_ref(input, deadline)
+    }
+}
+
 impl<I: Value, T: Value> InputFeed<I> for Feed<I, T> {
     fn feeder(&self, io: &DriverIo, plan: &GraphPlan, edge: u64) -> crate::Result<Box<dyn Feeder<I>>> {
         let writer = io.writer::<T>(plan, edge)?;

@@ -78,7 +78,7 @@ impl<I: Value> Dag<I> {
                     Some(self.inner.clone()),
                     NodeKind::Input(InputKind::Whole),
                     TypeTag::of::<I>(),
-                    Some(input::feed::<I, I>(|i: &I| i.clone())),
+                    Some(input::whole_feed::<I>()),
                 )
             })
             .clone();

@@ -1,0 +1,730 @@
+//! `adag-bench`: the standard workloads of adag, one table, optionally JSON.
+//!
+//! ```text
+//! cargo run --release -p adag-bench                     # full run (20-40 s on 2 vCPUs)
+//! cargo run --release -p adag-bench -- --quick          # CI smoke (a few seconds)
+//! cargo run --release -p adag-bench -- --filter chain3 --iters 50000 --json out.json
+//! ```
+//!
+//! Every latency is one synchronous round trip (`execute` + `get`, or `call`) timed on the
+//! driver with `Instant`, recorded in nanoseconds in an HDR histogram; p50 and p99 are its
+//! quantiles. Throughput is executions completed per second of wall time over the measured
+//! loop. Payload bandwidth follows Ray's convention: payload size / median round-trip time
+//! of an echo (the bytes cross twice, but count once). The workload keys match
+//! `scripts/ray/workloads.py`, so `scripts/ray/compare.py` can put both systems side by side.
+
+use adag::{CompileOptions, CompiledGraph, IntoOutputs, Placement, RefSet, Runtime};
+use adag_bench::{Payload, Stage, chain, fanout, payload_echo, spawn_stages};
+use anyhow::{Context, Result, bail, ensure};
+use clap::Parser;
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "adag-bench",
+    about = "Benchmarks of adag's compiled graphs (one table; --json for a file)"
+)]
+struct Args {
+    /// Tiny counts, for a CI smoke run (whole run well under 20 s).
+    #[arg(long)]
+    quick: bool,
+    /// Measured round trips of the small-message workloads (others scale from it).
+    #[arg(long)]
+    iters: Option<u64>,
+    /// Run only workloads whose key (`workload/placement`, e.g. `chain3_pipe16/process`)
+    /// contains this substring.
+    #[arg(long)]
+    filter: Option<String>,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// `buffer_size_bytes` of the small-message and compile workloads (default: the
+    /// library's default, 1,000,000 bytes, the same as Ray's). Payload workloads size their
+    /// buffers to the payload.
+    #[arg(long)]
+    buffer_bytes: Option<usize>,
+}
+
+/// How many iterations each kind of workload runs.
+struct Counts {
+    /// Synchronous small-message round trips.
+    sync: u64,
+    /// Executions of a pipelined run.
+    pipelined: u64,
+    /// One-off calls (the slow path).
+    calls: u64,
+    /// Compile + teardown cycles per chain length.
+    compiles: u64,
+    /// Bytes moved per payload size at most (caps the count of large payloads).
+    payload_bytes: u64,
+    /// Warm-up round trips before each measured loop (a fraction of the measured count).
+    warmup_div: u64,
+}
+
+impl Counts {
+    fn new(args: &Args) -> Self {
+        let (sync, compiles, payload_bytes) = if args.quick {
+            (300, 3, 256 << 20)
+        } else {
+            (20_000, 20, 4 << 30)
+        };
+        let sync = args.iters.unwrap_or(sync).max(1);
+        Counts {
+            sync,
+            pipelined: sync * 2,
+            calls: (sync / 5).max(1),
+            compiles: if args.iters.is_some() {
+                (sync / 1000).clamp(2, 100)
+            } else {
+                compiles
+            },
+            payload_bytes,
+            warmup_div: 10,
+        }
+    }
+
+    fn warmup(&self, n: u64) -> u64 {
+        (n / self.warmup_div).clamp(3, 2_000)
+    }
+
+    fn payload(&self, size: usize) -> u64 {
+        self.sync.min((self.payload_bytes / size as u64).max(3))
+    }
+}
+
+/// One line of the table (and of the JSON file).
+#[derive(Serialize, Clone, Debug)]
+struct Row {
+    /// `workload/placement`: the key shared with the Ray runner.
+    key: String,
+    workload: String,
+    placement: String,
+    p50_us: Option<f64>,
+    p99_us: Option<f64>,
+    /// Executions (or calls, or compiles) per second over the measured loop.
+    throughput_per_s: Option<f64>,
+    /// Payload workloads: payload size / median round trip, in 10^9 bytes per second.
+    gb_per_s: Option<f64>,
+    /// Measured iterations.
+    count: u64,
+    note: String,
+}
+
+#[derive(Serialize)]
+struct Report {
+    system: &'static str,
+    version: &'static str,
+    quick: bool,
+    machine: Machine,
+    /// 1-, 5- and 15-minute load averages before and after the run (noise on a shared host).
+    load_before: [f64; 3],
+    load_after: [f64; 3],
+    results: Vec<Row>,
+}
+
+/// The 1-, 5- and 15-minute load averages of the host.
+fn loadavg() -> [f64; 3] {
+    let s = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let mut v = s.split_whitespace().map(|x| x.parse().unwrap_or(f64::NAN));
+    [(); 3].map(|_| v.next().unwrap_or(f64::NAN))
+}
+
+#[derive(Serialize)]
+struct Machine {
+    cpus: usize,
+    cpu_model: String,
+    kernel: String,
+}
+
+impl Machine {
+    fn probe() -> Self {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu_model = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split(':').nth(1))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        Machine {
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cpu_model,
+            kernel,
+        }
+    }
+}
+
+/// Latencies of one measured loop.
+struct Measured {
+    hist: Histogram<u64>,
+    elapsed: Duration,
+    count: u64,
+}
+
+impl Measured {
+    fn new() -> Self {
+        Measured {
+            hist: Histogram::new_with_bounds(1, 600_000_000_000, 3)
+                .expect("valid histogram bounds"),
+            elapsed: Duration::ZERO,
+            count: 0,
+        }
+    }
+
+    fn record(&mut self, d: Duration) {
+        self.hist.saturating_record(d.as_nanos().max(1) as u64);
+        self.count += 1;
+    }
+
+    fn p50_us(&self) -> f64 {
+        self.hist.value_at_quantile(0.50) as f64 / 1e3
+    }
+
+    fn p99_us(&self) -> f64 {
+        self.hist.value_at_quantile(0.99) as f64 / 1e3
+    }
+
+    fn throughput(&self) -> f64 {
+        self.count as f64 / self.elapsed.as_secs_f64().max(1e-12)
+    }
+
+    fn row(&self, workload: &str, placement: &str, note: impl Into<String>) -> Row {
+        Row {
+            key: format!("{workload}/{placement}"),
+            workload: workload.into(),
+            placement: placement.into(),
+            p50_us: Some(self.p50_us()),
+            p99_us: Some(self.p99_us()),
+            throughput_per_s: Some(self.throughput()),
+            gb_per_s: None,
+            count: self.count,
+            note: note.into(),
+        }
+    }
+}
+
+/// Time `iters` calls of `f` after `warmup` untimed ones.
+fn timed(warmup: u64, iters: u64, mut f: impl FnMut(u64) -> Result<()>) -> Result<Measured> {
+    for i in 0..warmup {
+        f(i)?;
+    }
+    let mut m = Measured::new();
+    let start = Instant::now();
+    for i in 0..iters {
+        let t = Instant::now();
+        f(warmup + i)?;
+        m.record(t.elapsed());
+    }
+    m.elapsed = start.elapsed();
+    Ok(m)
+}
+
+/// Keep `depth` executions outstanding: submit until `depth` are in flight, then get the
+/// oldest and submit the next. Latency per execution is submit → result.
+fn pipelined<O>(
+    graph: &CompiledGraph<u64, O>,
+    depth: usize,
+    warmup: u64,
+    iters: u64,
+    check: impl Fn(u64, O::Refs) -> Result<()>,
+) -> Result<Measured>
+where
+    O: IntoOutputs,
+    O::Refs: RefSet,
+{
+    let run = |n: u64, m: Option<&mut Measured>| -> Result<()> {
+        let mut q: VecDeque<(u64, Instant, O::Refs)> = VecDeque::with_capacity(depth);
+        let mut lat = Vec::with_capacity(if m.is_some() { n as usize } else { 0 });
+        let start = Instant::now();
+        for i in 0..n {
+            if q.len() == depth {
+                let (j, t, r) = q.pop_front().expect("queue is full");
+                check(j, r)?;
+                lat.push(t.elapsed());
+            }
+            q.push_back((i, Instant::now(), graph.execute(i)?));
+        }
+        while let Some((j, t, r)) = q.pop_front() {
+            check(j, r)?;
+            lat.push(t.elapsed());
+        }
+        if let Some(m) = m {
+            m.elapsed = start.elapsed();
+            for d in lat {
+                m.record(d);
+            }
+        }
+        Ok(())
+    };
+    run(warmup, None)?;
+    let mut m = Measured::new();
+    run(iters, Some(&mut m))?;
+    Ok(m)
+}
+
+struct Bench {
+    rt: Runtime,
+    /// Options of the small-message and compile workloads.
+    opts: CompileOptions,
+    counts: Counts,
+    filter: Option<String>,
+    rows: Vec<Row>,
+}
+
+impl Bench {
+    fn wants(&self, key: &str) -> bool {
+        self.filter
+            .as_ref()
+            .is_none_or(|f| key.contains(f.as_str()))
+    }
+
+    fn wants_any(&self, keys: &[String]) -> bool {
+        keys.iter().any(|k| self.wants(k))
+    }
+
+    fn push(&mut self, row: Row) {
+        eprintln!(
+            "  {:<24} p50 {:>10} µs  p99 {:>10} µs  {:>12} /s  {}",
+            row.key,
+            fmt_opt(row.p50_us),
+            fmt_opt(row.p99_us),
+            fmt_opt(row.throughput_per_s),
+            row.note
+        );
+        self.rows.push(row);
+    }
+
+    fn placement_name(p: Placement) -> &'static str {
+        match p {
+            Placement::Thread => "thread",
+            Placement::Process => "process",
+        }
+    }
+
+    /// One-actor echo (`x + 0` through `Stage::add`): synchronous execute + get.
+    fn echo(&mut self, placement: Placement) -> Result<()> {
+        let pl = Self::placement_name(placement);
+        if !self.wants(&format!("echo/{pl}")) {
+            return Ok(());
+        }
+        let a = self.rt.spawn::<Stage>(placement, 0)?;
+        let g = chain(std::slice::from_ref(&a), self.opts.clone())?;
+        let n = self.counts.sync;
+        let m = timed(self.counts.warmup(n), n, |i| {
+            let v = g.execute(i)?.get()?;
+            ensure!(v == i, "echo returned {v} for {i}");
+            Ok(())
+        })?;
+        g.teardown()?;
+        self.push(m.row("echo", pl, "execute+get"));
+        Ok(())
+    }
+
+    /// The slow path, as a baseline: one-off `handle.call().add(x)` round trips.
+    fn call(&mut self, placement: Placement) -> Result<()> {
+        let pl = Self::placement_name(placement);
+        if !self.wants(&format!("call/{pl}")) {
+            return Ok(());
+        }
+        let a = self.rt.spawn::<Stage>(placement, 0)?;
+        let n = self.counts.calls;
+        let m = timed(self.counts.warmup(n), n, |i| {
+            let v = a.call().add(i)?;
+            ensure!(v == i, "call returned {v} for {i}");
+            Ok(())
+        })?;
+        self.push(m.row("call", pl, "one-off call (baseline)"));
+        Ok(())
+    }
+
+    /// Chain of three: synchronous, then pipelined with 1, 4 and 16 executions in flight.
+    fn chain3(&mut self, placement: Placement, pipelined_too: bool) -> Result<()> {
+        let pl = Self::placement_name(placement);
+        let depths: &[usize] = if pipelined_too { &[1, 4, 16] } else { &[] };
+        let mut keys = vec![format!("chain3/{pl}")];
+        keys.extend(depths.iter().map(|d| format!("chain3_pipe{d}/{pl}")));
+        if !self.wants_any(&keys) {
+            return Ok(());
+        }
+        let stages = spawn_stages(&self.rt, placement, 3)?;
+        if self.wants(&keys[0]) {
+            let g = chain(&stages, self.opts.clone())?;
+            let n = self.counts.sync;
+            let m = timed(self.counts.warmup(n), n, |i| {
+                let v = g.execute(i)?.get()?;
+                ensure!(v == i + 3, "chain returned {v} for {i}");
+                Ok(())
+            })?;
+            g.teardown()?;
+            self.push(m.row("chain3", pl, "execute+get"));
+        }
+        for (&d, key) in depths.iter().zip(&keys[1..]) {
+            if !self.wants(key) {
+                continue;
+            }
+            let g = chain(&stages, self.opts.clone().max_inflight_executions(d))?;
+            let n = self.counts.pipelined;
+            let m = pipelined(&g, d, self.counts.warmup(n), n, |i, r| {
+                let v = r.get()?;
+                ensure!(v == i + 3, "chain returned {v} for {i}");
+                Ok(())
+            })?;
+            g.teardown()?;
+            let name = key.split('/').next().unwrap_or(key);
+            self.push(m.row(name, pl, format!("{d} in flight; latency = submit→result")));
+        }
+        Ok(())
+    }
+
+    /// Fan-out of the input to four actors, a multi-output node of their results.
+    fn fanout4(&mut self) -> Result<()> {
+        const DEPTH: usize = 10;
+        let keys = [
+            "fanout4/process".to_string(),
+            format!("fanout4_pipe{DEPTH}/process"),
+        ];
+        if !self.wants_any(&keys) {
+            return Ok(());
+        }
+        let stages = spawn_stages(&self.rt, Placement::Process, 4)?;
+        let check = |i: u64, v: Vec<u64>| -> Result<()> {
+            ensure!(
+                v.len() == 4 && v.iter().all(|&x| x == i + 1),
+                "fan-out returned {v:?} for {i}"
+            );
+            Ok(())
+        };
+        if self.wants(&keys[0]) {
+            let g = fanout(&stages, self.opts.clone())?;
+            let n = self.counts.sync;
+            let m = timed(self.counts.warmup(n), n, |i| check(i, g.execute(i)?.get()?))?;
+            g.teardown()?;
+            self.push(m.row("fanout4", "process", "execute+get of 4 outputs"));
+        }
+        if self.wants(&keys[1]) {
+            let g = fanout(&stages, self.opts.clone().max_inflight_executions(DEPTH))?;
+            let n = self.counts.pipelined;
+            let m = pipelined(&g, DEPTH, self.counts.warmup(n), n, |i, r| {
+                check(i, r.get()?)
+            })?;
+            g.teardown()?;
+            self.push(m.row(
+                &format!("fanout4_pipe{DEPTH}"),
+                "process",
+                format!("{DEPTH} in flight"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Echo of a byte payload through one process actor; the returned buffer is the next input.
+    fn payloads(&mut self) -> Result<()> {
+        let sizes: [(&str, usize); 5] = [
+            ("1KiB", 1 << 10),
+            ("64KiB", 64 << 10),
+            ("1MiB", 1 << 20),
+            ("16MiB", 16 << 20),
+            ("100MiB", 100 << 20),
+        ];
+        let keys: Vec<String> = sizes
+            .iter()
+            .map(|(n, _)| format!("payload_{n}/process"))
+            .collect();
+        if !self.wants_any(&keys) {
+            return Ok(());
+        }
+        let a = self.rt.spawn::<Stage>(Placement::Process, 0)?;
+        for ((name, size), key) in sizes.iter().zip(&keys) {
+            if !self.wants(key) {
+                continue;
+            }
+            // Room for postcard's length prefix; two slots are enough for synchronous round trips.
+            let opts = CompileOptions::default()
+                .buffer_size_bytes(size + 64)
+                .max_inflight_executions(2);
+            let g = payload_echo(&a, opts)?;
+            let n = self.counts.payload(*size);
+            let mut buf = Some(Payload(vec![0xa5; *size]));
+            let m = timed(self.counts.warmup(n).min(n), n, |_| {
+                let out = g.execute(buf.take().expect("buffer is back"))?.get()?;
+                ensure!(
+                    out.0.len() == *size,
+                    "echo of {size} bytes returned {}",
+                    out.0.len()
+                );
+                buf = Some(out);
+                Ok(())
+            })?;
+            g.teardown()?;
+            let mut row = m.row(&format!("payload_{name}"), "process", String::new());
+            let gbps = *size as f64 / (m.p50_us() * 1e-6) / 1e9;
+            row.gb_per_s = Some(gbps);
+            row.note = format!("{gbps:.2} GB/s (size / p50 round trip)");
+            self.push(row);
+        }
+        Ok(())
+    }
+
+    /// Async round trip through one process actor: `execute_async(x).await?.await?` on a
+    /// current-thread tokio runtime (the refs are runtime-agnostic futures).
+    fn async_echo(&mut self) -> Result<()> {
+        if !self.wants("async_echo/process") {
+            return Ok(());
+        }
+        let a = self.rt.spawn::<Stage>(Placement::Process, 0)?;
+        let g = chain(
+            std::slice::from_ref(&a),
+            self.opts.clone().enable_asyncio(true),
+        )?;
+        let tokio_rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let n = self.counts.sync;
+        let warmup = self.counts.warmup(n);
+        let m = tokio_rt.block_on(async {
+            for i in 0..warmup {
+                let v = g.execute_async(i).await?.await?;
+                ensure!(v == i, "async echo returned {v} for {i}");
+            }
+            let mut m = Measured::new();
+            let start = Instant::now();
+            for i in 0..n {
+                let t = Instant::now();
+                let v = g.execute_async(i).await?.await?;
+                m.record(t.elapsed());
+                ensure!(v == i, "async echo returned {v} for {i}");
+            }
+            m.elapsed = start.elapsed();
+            anyhow::Ok(m)
+        })?;
+        g.teardown()?;
+        self.push(m.row("async_echo", "process", "execute_async().await + ref.await"));
+        Ok(())
+    }
+
+    /// Compile and teardown of chains of 1, 4 and 8 process actors (spawned beforehand).
+    fn compile(&mut self) -> Result<()> {
+        for n_actors in [1usize, 4, 8] {
+            let kc = format!("compile_chain{n_actors}/process");
+            let kt = format!("teardown_chain{n_actors}/process");
+            if !self.wants(&kc) && !self.wants(&kt) {
+                continue;
+            }
+            let stages = spawn_stages(&self.rt, Placement::Process, n_actors)?;
+            let mut compile = Measured::new();
+            let mut teardown = Measured::new();
+            let iters = self.counts.compiles;
+            // One untimed cycle first (first-use costs: code paths, page faults).
+            for i in 0..iters + 1 {
+                let t = Instant::now();
+                let g = chain(&stages, self.opts.clone())?;
+                let dc = t.elapsed();
+                let v = g.execute(7)?.get()?;
+                ensure!(v == 7 + n_actors as u64, "compiled chain returned {v}");
+                let t = Instant::now();
+                g.teardown()?;
+                let dt = t.elapsed();
+                drop(g);
+                if i > 0 {
+                    compile.elapsed += dc;
+                    teardown.elapsed += dt;
+                    compile.record(dc);
+                    teardown.record(dt);
+                }
+            }
+            if self.wants(&kc) {
+                self.push(compile.row(
+                    &format!("compile_chain{n_actors}"),
+                    "process",
+                    "dag.compile(..)",
+                ));
+            }
+            if self.wants(&kt) {
+                self.push(teardown.row(
+                    &format!("teardown_chain{n_actors}"),
+                    "process",
+                    "graph.teardown()",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn fmt_opt(v: Option<f64>) -> String {
+    match v {
+        None => "-".into(),
+        Some(v) if v >= 10_000.0 => format!("{v:.0}"),
+        Some(v) if v >= 100.0 => format!("{v:.1}"),
+        Some(v) => format!("{v:.2}"),
+    }
+}
+
+fn print_table(rows: &[Row]) {
+    let header = [
+        "workload",
+        "placement",
+        "p50 µs",
+        "p99 µs",
+        "throughput /s",
+        "note",
+    ];
+    let cells: Vec<[String; 6]> = rows
+        .iter()
+        .map(|r| {
+            [
+                r.workload.clone(),
+                r.placement.clone(),
+                fmt_opt(r.p50_us),
+                fmt_opt(r.p99_us),
+                fmt_opt(r.throughput_per_s),
+                r.note.clone(),
+            ]
+        })
+        .collect();
+    let mut width = header.map(|h| h.chars().count());
+    for c in &cells {
+        for (w, s) in width.iter_mut().zip(c) {
+            *w = (*w).max(s.chars().count());
+        }
+    }
+    let line = |c: &[String]| {
+        let mut s = String::from("|");
+        for (i, (cell, w)) in c.iter().zip(width).enumerate() {
+            let pad = w - cell.chars().count();
+            if (2..5).contains(&i) {
+                s += &format!(" {}{} |", " ".repeat(pad), cell);
+            } else {
+                s += &format!(" {}{} |", cell, " ".repeat(pad));
+            }
+        }
+        s
+    };
+    println!("{}", line(&header.map(String::from)));
+    let mut sep = String::from("|");
+    for (i, w) in width.iter().enumerate() {
+        sep += &if (2..5).contains(&i) {
+            format!("{}:|", "-".repeat(w + 1))
+        } else {
+            format!("{}|", "-".repeat(w + 2))
+        };
+    }
+    println!("{sep}");
+    for c in &cells {
+        println!("{}", line(c));
+    }
+}
+
+/// Child processes of this process still alive (workers that were not reaped).
+fn live_children() -> Vec<String> {
+    let mut out = Vec::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        if let Ok(s) = std::fs::read_to_string(t.path().join("children")) {
+            for pid in s.split_whitespace() {
+                let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .ok()
+                    .and_then(|st| {
+                        st.rsplit_once(')')
+                            .map(|(_, r)| r.trim().chars().next().unwrap_or('?'))
+                    })
+                    .unwrap_or('?');
+                out.push(format!("{pid} ({state})"));
+            }
+        }
+    }
+    out
+}
+
+fn run(args: &Args) -> Result<Vec<Row>> {
+    let mut b = Bench {
+        rt: Runtime::new()?,
+        opts: match args.buffer_bytes {
+            Some(b) => CompileOptions::default().buffer_size_bytes(b),
+            None => CompileOptions::default(),
+        },
+        counts: Counts::new(args),
+        filter: args.filter.clone(),
+        rows: Vec::new(),
+    };
+    b.echo(Placement::Thread).context("echo/thread")?;
+    b.echo(Placement::Process).context("echo/process")?;
+    b.call(Placement::Thread).context("call/thread")?;
+    b.call(Placement::Process).context("call/process")?;
+    b.chain3(Placement::Thread, false)
+        .context("chain3/thread")?;
+    b.chain3(Placement::Process, true)
+        .context("chain3/process")?;
+    b.fanout4().context("fanout4")?;
+    b.payloads().context("payloads")?;
+    b.async_echo().context("async_echo")?;
+    b.compile().context("compile")?;
+    Ok(b.rows)
+}
+
+fn main() -> Result<()> {
+    adag::init();
+    let args = Args::parse();
+    let machine = Machine::probe();
+    eprintln!(
+        "adag-bench {}: {} CPU(s), {}{}",
+        env!("CARGO_PKG_VERSION"),
+        machine.cpus,
+        machine.cpu_model,
+        if args.quick { " (quick)" } else { "" }
+    );
+    let started = Instant::now();
+    let load_before = loadavg();
+    let rows = run(&args)?;
+    let load_after = loadavg();
+    if rows.is_empty() {
+        bail!(
+            "no workload matches --filter {:?}",
+            args.filter.as_deref().unwrap_or("")
+        );
+    }
+    print_table(&rows);
+    if let Some(path) = &args.json {
+        let report = Report {
+            system: "adag",
+            version: env!("CARGO_PKG_VERSION"),
+            quick: args.quick,
+            machine,
+            load_before,
+            load_after,
+            results: rows,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    // Every graph was torn down and every handle dropped: workers must be gone.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut left = live_children();
+    while !left.is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        left = live_children();
+    }
+    if !left.is_empty() {
+        bail!(
+            "worker processes still alive after every handle was dropped: {}",
+            left.join(", ")
+        );
+    }
+    eprintln!(
+        "done in {:.1} s; load average {:.2} before, {:.2} after",
+        started.elapsed().as_secs_f64(),
+        load_before[0],
+        load_after[0]
+    );
+    Ok(())
+}

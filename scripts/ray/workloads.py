@@ -1,0 +1,417 @@
+#!/usr/bin/env python3
+"""The standard workloads of adag-bench, written against Ray Compiled Graphs.
+
+Prints a table and writes JSON with the same workload keys and fields as
+`adag-bench --json` (key = "workload/placement"; every Ray actor is a process, so
+placement is always "process"), so that scripts/ray/compare.py can put both side by side.
+
+    target/ray-venv/bin/python scripts/ray/workloads.py --json /tmp/ray.json
+    target/ray-venv/bin/python scripts/ray/workloads.py --quick --filter chain3
+
+Latency = one synchronous round trip (`execute` + `ray.get`) timed with perf_counter_ns;
+p50/p99 are percentiles of those samples. Throughput = executions per second of wall time
+over the measured loop. Payload bandwidth = payload size / median round trip of an echo
+(the bytes cross twice but count once), the figure Ray's own microbenchmarks report.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from collections import deque
+
+import numpy as np
+import ray
+from ray.dag import InputNode, MultiOutputNode
+
+NS = time.perf_counter_ns
+
+
+@ray.remote(num_cpus=0)
+class Stage:
+    def __init__(self, k):
+        self.k = k
+
+    def add(self, x):
+        return x + self.k
+
+    def echo(self, x):
+        return x
+
+
+class Measured:
+    def __init__(self):
+        self.samples = []
+        self.elapsed_s = 0.0
+
+    def row(self, workload, note):
+        a = np.asarray(self.samples, dtype=np.float64) / 1e3
+        count = len(self.samples)
+        return {
+            "key": f"{workload}/process",
+            "workload": workload,
+            "placement": "process",
+            "p50_us": float(np.percentile(a, 50)) if count else None,
+            "p99_us": float(np.percentile(a, 99)) if count else None,
+            "throughput_per_s": count / self.elapsed_s if self.elapsed_s > 0 else None,
+            "gb_per_s": None,
+            "count": count,
+            "note": note,
+        }
+
+
+def timed(warmup, iters, f):
+    for i in range(warmup):
+        f(i)
+    m = Measured()
+    start = NS()
+    for i in range(iters):
+        t = NS()
+        f(warmup + i)
+        m.samples.append(NS() - t)
+    m.elapsed_s = (NS() - start) / 1e9
+    return m
+
+
+def pipelined(dag, depth, warmup, iters, check):
+    """Keep `depth` executions outstanding; latency per execution = submit -> result."""
+
+    def run(n, m):
+        q = deque()
+        start = NS()
+        for i in range(n):
+            if len(q) == depth:
+                j, t, r = q.popleft()
+                check(j, ray.get(r))
+                if m:
+                    m.samples.append(NS() - t)
+            q.append((i, NS(), dag.execute(i)))
+        while q:
+            j, t, r = q.popleft()
+            check(j, ray.get(r))
+            if m:
+                m.samples.append(NS() - t)
+        if m:
+            m.elapsed_s = (NS() - start) / 1e9
+
+    run(warmup, None)
+    m = Measured()
+    run(iters, m)
+    return m
+
+
+def expect(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+class Bench:
+    def __init__(self, args):
+        self.filter = args.filter
+        q = args.quick
+        self.sync = args.iters or (100 if q else 2000)
+        self.pipelined_n = self.sync * 2
+        self.calls = max(self.sync // 4, 10)
+        self.compiles = 2 if q else 5
+        self.payload_bytes = (256 << 20) if q else (2 << 30)
+        self.rows = []
+        self.actors = []
+
+    def warmup(self, n):
+        return min(max(n // 10, 3), 500)
+
+    def wants(self, key):
+        return self.filter is None or self.filter in key
+
+    def push(self, row):
+        print(f"  {row['key']:<24} p50 {fmt(row['p50_us']):>10} µs  p99 {fmt(row['p99_us']):>10} µs  "
+              f"{fmt(row['throughput_per_s']):>12} /s  {row['note']}", file=sys.stderr, flush=True)
+        self.rows.append(row)
+
+    def spawn(self, n, k=1):
+        actors = [Stage.remote(k) for _ in range(n)]
+        ray.get([a.add.remote(0) for a in actors])  # started and ready
+        self.actors += actors
+        return actors
+
+    def chain(self, stages, **kw):
+        with InputNode() as inp:
+            node = inp
+            for s in stages:
+                node = s.add.bind(node)
+        return node.experimental_compile(**kw)
+
+    def echo(self):
+        if not self.wants("echo/process"):
+            return
+        (a,) = self.spawn(1, 0)
+        dag = self.chain([a])
+        n = self.sync
+
+        def f(i):
+            v = ray.get(dag.execute(i))
+            expect(v == i, f"echo returned {v} for {i}")
+
+        m = timed(self.warmup(n), n, f)
+        dag.teardown()
+        self.push(m.row("echo", "execute+ray.get"))
+
+    def call(self):
+        if not self.wants("call/process"):
+            return
+        (a,) = self.spawn(1, 0)
+        n = self.calls
+
+        def f(i):
+            v = ray.get(a.add.remote(i))
+            expect(v == i, f"call returned {v} for {i}")
+
+        m = timed(self.warmup(n), n, f)
+        self.push(m.row("call", "classic actor call (baseline)"))
+
+    def chain3(self):
+        keys = ["chain3/process"] + [f"chain3_pipe{d}/process" for d in (1, 4, 16)]
+        if not any(self.wants(k) for k in keys):
+            return
+        stages = self.spawn(3)
+        if self.wants(keys[0]):
+            dag = self.chain(stages)
+            n = self.sync
+
+            def f(i):
+                v = ray.get(dag.execute(i))
+                expect(v == i + 3, f"chain returned {v} for {i}")
+
+            m = timed(self.warmup(n), n, f)
+            dag.teardown()
+            self.push(m.row("chain3", "execute+ray.get"))
+        for d, key in zip((1, 4, 16), keys[1:]):
+            if not self.wants(key):
+                continue
+            dag = self.chain(stages, _max_inflight_executions=d)
+            n = self.pipelined_n
+
+            def check(i, v):
+                expect(v == i + 3, f"chain returned {v} for {i}")
+
+            m = pipelined(dag, d, self.warmup(n), n, check)
+            dag.teardown()
+            self.push(m.row(f"chain3_pipe{d}", f"{d} in flight; latency = submit→result"))
+
+    def fanout4(self):
+        depth = 10
+        keys = ["fanout4/process", f"fanout4_pipe{depth}/process"]
+        if not any(self.wants(k) for k in keys):
+            return
+        stages = self.spawn(4)
+
+        def compile_(**kw):
+            with InputNode() as inp:
+                out = MultiOutputNode([s.add.bind(inp) for s in stages])
+            return out.experimental_compile(**kw)
+
+        def check(i, v):
+            expect(len(v) == 4 and all(x == i + 1 for x in v), f"fan-out returned {v} for {i}")
+
+        if self.wants(keys[0]):
+            dag = compile_()
+            n = self.sync
+            m = timed(self.warmup(n), n, lambda i: check(i, ray.get(dag.execute(i))))
+            dag.teardown()
+            self.push(m.row("fanout4", "execute+ray.get of 4 outputs"))
+        if self.wants(keys[1]):
+            dag = compile_(_max_inflight_executions=depth)
+            n = self.pipelined_n
+            m = pipelined(dag, depth, self.warmup(n), n, check)
+            dag.teardown()
+            self.push(m.row(f"fanout4_pipe{depth}", f"{depth} in flight"))
+
+    def payloads(self):
+        sizes = [("1KiB", 1 << 10), ("64KiB", 64 << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20), ("100MiB", 100 << 20)]
+        keys = [f"payload_{n}/process" for n, _ in sizes]
+        if not any(self.wants(k) for k in keys):
+            return
+        (a,) = self.spawn(1, 0)
+        for (name, size), key in zip(sizes, keys):
+            if not self.wants(key):
+                continue
+            with InputNode() as inp:
+                out = a.echo.bind(inp)
+            # Room for Ray's serialization header; two buffers suffice for synchronous use.
+            dag = out.experimental_compile(_buffer_size_bytes=size + (1 << 16), _max_inflight_executions=2)
+            arr = np.full(size, 0xA5, dtype=np.uint8)
+            n = min(self.sync, max(self.payload_bytes // size, 3))
+
+            def f(i):
+                v = ray.get(dag.execute(arr))
+                expect(v.nbytes == size, f"echo of {size} bytes returned {v.nbytes}")
+                del v  # a zero-copy result pins its channel buffer until released
+
+            m = timed(min(self.warmup(n), n), n, f)
+            dag.teardown()
+            row = m.row(f"payload_{name}", "")
+            gbps = size / (row["p50_us"] * 1e-6) / 1e9
+            row["gb_per_s"] = gbps
+            row["note"] = f"{gbps:.2f} GB/s (size / p50 round trip)"
+            self.push(row)
+
+    def async_echo(self):
+        if not self.wants("async_echo/process"):
+            return
+        (a,) = self.spawn(1, 0)
+        n = self.sync
+
+        async def main():
+            # Compiled inside the running loop: Ray hangs if an asyncio graph compiled outside
+            # the loop is awaited later.
+            with InputNode() as inp:
+                out = a.add.bind(inp)
+            dag = out.experimental_compile(enable_asyncio=True)
+            for i in range(self.warmup(n)):
+                await (await dag.execute_async(i))
+            m = Measured()
+            start = NS()
+            for i in range(n):
+                t = NS()
+                v = await (await dag.execute_async(i))
+                m.samples.append(NS() - t)
+                expect(v == i, f"async echo returned {v} for {i}")
+            m.elapsed_s = (NS() - start) / 1e9
+            dag.teardown()
+            return m
+
+        m = asyncio.run(main())
+        self.push(m.row("async_echo", "await execute_async() + await ref"))
+
+    def compile(self):
+        for n_actors in (1, 4, 8):
+            kc, kt = f"compile_chain{n_actors}/process", f"teardown_chain{n_actors}/process"
+            if not (self.wants(kc) or self.wants(kt)):
+                continue
+            stages = self.spawn(n_actors)
+            mc, mt = Measured(), Measured()
+            for i in range(self.compiles + 1):  # the first cycle is untimed
+                t = NS()
+                dag = self.chain(stages)
+                dc = NS() - t
+                v = ray.get(dag.execute(7))
+                expect(v == 7 + n_actors, f"compiled chain returned {v}")
+                t = NS()
+                dag.teardown()
+                dt = NS() - t
+                del dag
+                if i > 0:
+                    mc.samples.append(dc)
+                    mt.samples.append(dt)
+                    mc.elapsed_s += dc / 1e9
+                    mt.elapsed_s += dt / 1e9
+            if self.wants(kc):
+                self.push(mc.row(f"compile_chain{n_actors}", "experimental_compile()"))
+            if self.wants(kt):
+                self.push(mt.row(f"teardown_chain{n_actors}", "teardown()"))
+
+    def free_actors(self):
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+
+
+def fmt(v):
+    if v is None:
+        return "-"
+    if v >= 10_000:
+        return f"{v:.0f}"
+    if v >= 100:
+        return f"{v:.1f}"
+    return f"{v:.2f}"
+
+
+def print_table(rows):
+    header = ["workload", "placement", "p50 µs", "p99 µs", "throughput /s", "note"]
+    cells = [[r["workload"], r["placement"], fmt(r["p50_us"]), fmt(r["p99_us"]), fmt(r["throughput_per_s"]), r["note"]]
+             for r in rows]
+    width = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+
+    def line(c):
+        return "|" + "|".join(f" {s:>{w}} " if 2 <= i < 5 else f" {s:<{w}} " for i, (s, w) in enumerate(zip(c, width))) + "|"
+
+    print(line(header))
+    print("|" + "|".join("-" * (w + 1) + ":" if 2 <= i < 5 else "-" * (w + 2) for i, w in enumerate(width)) + "|")
+    for c in cells:
+        print(line(c))
+
+
+def shm_files():
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("sem.")}
+    except OSError:
+        return set()
+
+
+def machine():
+    model = ""
+    try:
+        for l in open("/proc/cpuinfo"):
+            if l.startswith("model name"):
+                model = l.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu_model": model, "kernel": platform.release()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny counts (smoke run)")
+    p.add_argument("--iters", type=int, help="measured round trips of the small-message workloads")
+    p.add_argument("--filter", help="run only workloads whose key contains this substring")
+    p.add_argument("--json", help="also write the results as JSON to this file")
+    p.add_argument("--keep-shm", action="store_true",
+                   help="leave the sem.* files Ray leaves in /dev/shm (by default they are counted, then removed)")
+    args = p.parse_args()
+    shm_before = shm_files()
+
+    started = time.time()
+    load_before = list(os.getloadavg())
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR", configure_logging=True)
+    print(f"ray {ray.__version__}: {os.cpu_count()} CPU(s)", file=sys.stderr, flush=True)
+    b = Bench(args)
+    try:
+        for step in (b.echo, b.call, b.chain3, b.fanout4, b.payloads, b.async_echo, b.compile):
+            step()
+            b.free_actors()  # keep at most the current workload's actors alive on 2 cores
+    finally:
+        ray.shutdown()
+    load_after = list(os.getloadavg())
+    # Ray leaves a POSIX semaphore pair (sem.hdr*/sem.obj*) in /dev/shm per channel it made.
+    leaked = sorted(shm_files() - shm_before)
+    if leaked:
+        print(f"Ray left {len(leaked)} files in /dev/shm after ray.shutdown()"
+              + ("" if args.keep_shm else "; removing them"), file=sys.stderr)
+        if not args.keep_shm:
+            for name in leaked:
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
+    if not b.rows:
+        sys.exit(f"no workload matches --filter {args.filter!r}")
+    print_table(b.rows)
+    if args.json:
+        report = {"system": "ray", "version": ray.__version__, "quick": args.quick, "machine": machine(),
+                  "load_before": load_before, "load_after": load_after,
+                  "leaked_dev_shm_files": len(leaked), "results": b.rows}
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+            fh.write("\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    print(f"done in {time.time() - started:.1f} s; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
