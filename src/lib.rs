@@ -13,10 +13,11 @@ pub mod exec;
 pub(crate) mod sync;
 mod value;
 
-pub use actor::{Actor, ActorHandle, HandleCore, Placement, Runtime};
+pub use actor::{Actor, ActorHandle, HandleCore, Placement, Runtime, SpawnOptions};
 pub use adag_macros::actor;
-pub use compile::{CompileOptions, DefaultCommunicator};
-pub use dag::{AnyNode, Arg, Dag, ErasedArg, InputNode, IntoOutputs, MultiOutput, Node};
+pub use compile::{CommunicatorInfo, CompileOptions, DefaultCommunicator};
+pub use dag::collective;
+pub use dag::{AnyNode, Arg, CustomCommunicator, Dag, ErasedArg, InputNode, IntoOutputs, MultiOutput, Node, Transport};
 pub use error::{Capacity, Error, Result};
 pub use exec::{CompiledGraph, CompiledRef, RefSet, get_all};
 pub use comm::{CommError, CommId, Communicator, CommunicatorFactory, CommunicatorGroup, ReduceOp};
@@ -35,6 +36,7 @@ pub fn init() {
 pub mod __private {
     pub use crate::actor::method::{method, method_split};
     pub use crate::actor::registry::{ACTOR_TYPES, ActorTypeEntry};
+    pub use crate::compile::comms::COMM_FACTORIES;
     pub use crate::actor::{FromHandleCore, HandleCore, MethodEntry};
     pub use linkme;
 

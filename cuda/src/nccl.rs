@@ -116,8 +116,15 @@ pub fn nccl_version() -> Result<(u32, u32, u32), CudaError> {
 /// [`adag::comm::register_factory`]. Call it in every process (driver and workers) that makes
 /// or opens NCCL groups. Registering needs no GPU; making a group without one is a typed error.
 pub fn register() {
-    register_factory(Arc::new(NcclFactory::default()));
+    register_factory(linked_factory());
 }
+
+fn linked_factory() -> Arc<dyn adag::comm::CommunicatorFactory> {
+    Arc::new(NcclFactory::default())
+}
+
+// Registered at link time too, so worker processes (which never reach `main`) can open ranks.
+adag::communicator_factory!(linked_factory);
 
 fn error_string(code: sys::ncclResult_t) -> String {
     let s = std::panic::catch_unwind(|| {

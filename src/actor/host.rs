@@ -1,10 +1,11 @@
 //! Where an actor lives and how it is reached: the control link (one-off calls, running a
 //! graph's schedule) and the loop that executes a schedule until its channels close.
+use super::comm_ops::{CommCtx, CommGuard, CommMap, build_collective};
 use super::method::{CallFailure, Op, TaskBuilder, find};
 use super::worker::ProcessLink;
 use super::{Actor, MethodEntry};
 use crate::channel::endpoint::ProcChannels;
-use crate::compile::plan::{GraphPlan, Loc, OpSpec};
+use crate::compile::plan::{GraphPlan, Loc, OpSpec, Stage};
 use crate::error::{Error, Result};
 use crate::value::Value;
 use crossbeam_channel::{Receiver, Sender};
@@ -52,6 +53,8 @@ pub(crate) enum Control {
 pub(crate) struct RunRequest {
     pub plan: Arc<GraphPlan>,
     pub chans: Arc<ProcChannels>,
+    /// This actor's communicators, by group index of the plan.
+    pub comms: CommMap,
     pub installed: Sender<Result<(), String>>,
     pub done: Sender<String>,
 }
@@ -132,7 +135,13 @@ pub(crate) trait ErasedHost: Send {
     fn call_encoded(&mut self, method: &str, args: &[u8]) -> Result<Vec<u8>, CallFailure>;
     /// Build this actor's schedule of `plan`, report it through `installed`, then run it
     /// until a channel closes; returns why it stopped.
-    fn run_graph(&mut self, plan: &GraphPlan, chans: &ProcChannels, installed: &mut dyn FnMut(Result<(), String>)) -> String;
+    fn run_graph(
+        &mut self,
+        plan: &GraphPlan,
+        chans: &ProcChannels,
+        comms: &CommMap,
+        installed: &mut dyn FnMut(Result<(), String>),
+    ) -> String;
 }
 
 pub(crate) struct Host<A: Actor> {
@@ -146,12 +155,13 @@ fn method<A: Actor>(name: &str) -> Result<&'static MethodEntry<A>, CallFailure> 
 }
 
 impl<A: Actor> Host<A> {
-    fn build(&self, plan: &GraphPlan, chans: &ProcChannels) -> Result<Vec<Op<A>>, String> {
+    fn build(&self, plan: &GraphPlan, chans: &ProcChannels, comms: &CommMap) -> Result<(Vec<Op<A>>, CommGuard), String> {
         let me = Loc::Actor(self.id);
         let Some(mine) = plan.actors.iter().find(|a| a.actor == self.id) else {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), CommCtx::<A>::default().guard()));
         };
         let mut b = TaskBuilder::new(plan, me, chans, self.name.clone());
+        b.comm = CommCtx::new(comms.clone(), &mine.ops);
         let mut computes: HashMap<u64, Op<A>> = HashMap::new();
         let missing = |m: &str| format!("actor {} has no method {m}", self.name);
         for op in &mine.ops {
@@ -164,7 +174,12 @@ impl<A: Actor> Host<A> {
                     let entry = method::<A>(m).map_err(|_| missing(m))?;
                     computes.insert(*node, entry.imp.build_split(&mut b, *node, *source, *index)?);
                 }
-                OpSpec::Read { .. } | OpSpec::Write { .. } => {}
+                OpSpec::Collective { stage, .. } => {
+                    if *stage != Stage::Wait {
+                        build_collective(&mut b, op)?;
+                    }
+                }
+                OpSpec::Read { .. } | OpSpec::Write { .. } | OpSpec::Recv { .. } | OpSpec::Send { .. } => {}
             }
         }
         let mut ops = Vec::with_capacity(mine.ops.len());
@@ -173,10 +188,12 @@ impl<A: Actor> Host<A> {
                 OpSpec::Read { edge } => b.reads.remove(edge),
                 OpSpec::Write { edge } => b.writes.remove(edge),
                 OpSpec::Compute { node, .. } | OpSpec::Split { node, .. } => computes.remove(node),
+                OpSpec::Recv { .. } | OpSpec::Send { .. } | OpSpec::Collective { .. } => b.comm.take(op),
             };
             ops.push(built.ok_or_else(|| format!("schedule of {}: {op:?} was not built", self.name))?);
         }
-        Ok(ops)
+        let guard = b.comm.guard();
+        Ok((ops, guard))
     }
 }
 
@@ -189,9 +206,15 @@ impl<A: Actor> ErasedHost for Host<A> {
         method::<A>(name)?.imp.call_encoded(&mut self.actor, args)
     }
 
-    fn run_graph(&mut self, plan: &GraphPlan, chans: &ProcChannels, installed: &mut dyn FnMut(Result<(), String>)) -> String {
-        let mut ops = match self.build(plan, chans) {
-            Ok(ops) => ops,
+    fn run_graph(
+        &mut self,
+        plan: &GraphPlan,
+        chans: &ProcChannels,
+        comms: &CommMap,
+        installed: &mut dyn FnMut(Result<(), String>),
+    ) -> String {
+        let (mut ops, guard) = match self.build(plan, chans, comms) {
+            Ok(built) => built,
             Err(e) => {
                 installed(Err(e.clone()));
                 return e;
@@ -201,13 +224,18 @@ impl<A: Actor> ErasedHost for Host<A> {
         if ops.is_empty() {
             return "empty schedule".into();
         }
-        loop {
+        let why = 'run: loop {
             for op in ops.iter_mut() {
                 if let Err(e) = op(&mut self.actor) {
-                    return format!("{e:?}");
+                    break 'run format!("{e:?}");
                 }
             }
-        }
+        };
+        // The operations hold the communication thread's queue: drop them first, then
+        // destroy the communicators (waking any peer blocked in one) and join the thread.
+        drop(ops);
+        drop(guard);
+        why
     }
 }
 
@@ -224,7 +252,7 @@ pub(crate) fn host_loop(mut host: Box<dyn ErasedHost>, control: Receiver<Control
             }
             Control::Run(run) => {
                 let installed = run.installed.clone();
-                let why = host.run_graph(&run.plan, &run.chans, &mut |r| {
+                let why = host.run_graph(&run.plan, &run.chans, &run.comms, &mut |r| {
                     let _ = installed.send(r);
                 });
                 let _ = run.done.send(why);

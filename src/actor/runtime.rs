@@ -4,6 +4,7 @@ use super::method::panic_text;
 use super::worker::ProcessLink;
 use super::{Actor, ActorHandle, ActorShared, HandleCore, MethodSig, next_actor_id};
 use crate::error::{Error, Result};
+use crate::tensor::Device;
 use crate::value::encode;
 use parking_lot::Mutex;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -17,6 +18,40 @@ pub enum Placement {
     Thread,
     /// A worker process of its own (Ray's kind of actor): edges become shared memory.
     Process,
+}
+
+/// How to spawn an actor, beyond its placement ([`Runtime::spawn_with`]).
+#[derive(Debug, Clone)]
+pub struct SpawnOptions {
+    /// The actor's name (shown in errors and pictures); `None` = `Type#id`.
+    pub name: Option<String>,
+    /// The device the actor computes on (default [`Device::Cpu`]). adag does not allocate
+    /// devices: this records the placement the caller chose, and `Transport::Auto` uses it to
+    /// pick a communicator for tensors between actors on distinct CUDA devices.
+    pub device: Device,
+}
+
+impl Default for SpawnOptions {
+    fn default() -> Self {
+        SpawnOptions {
+            name: None,
+            device: Device::Cpu,
+        }
+    }
+}
+
+impl SpawnOptions {
+    /// Set [`SpawnOptions::name`].
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Set [`SpawnOptions::device`].
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
 }
 
 /// The driver's runtime.
@@ -53,15 +88,24 @@ impl Runtime {
     pub fn spawn<A: Actor>(&self, placement: Placement, init: A::Init) -> Result<ActorHandle<A>> {
         let id = next_actor_id();
         let name = format!("{}#{id}", short_type_name(A::type_name()));
-        self.spawn_with_id::<A>(placement, id, name, init)
+        self.spawn_with_id::<A>(placement, id, name, Device::Cpu, init)
     }
 
     /// Spawn an actor with a name of your choosing (shown in errors and pictures).
     pub fn spawn_named<A: Actor>(&self, placement: Placement, name: impl Into<String>, init: A::Init) -> Result<ActorHandle<A>> {
-        self.spawn_with_id::<A>(placement, next_actor_id(), name.into(), init)
+        self.spawn_with_id::<A>(placement, next_actor_id(), name.into(), Device::Cpu, init)
     }
 
-    fn spawn_with_id<A: Actor>(&self, placement: Placement, id: u64, name: String, init: A::Init) -> Result<ActorHandle<A>> {
+    /// Spawn an actor with [`SpawnOptions`] (name, device).
+    pub fn spawn_with<A: Actor>(&self, placement: Placement, options: SpawnOptions, init: A::Init) -> Result<ActorHandle<A>> {
+        let id = next_actor_id();
+        let name = options
+            .name
+            .unwrap_or_else(|| format!("{}#{id}", short_type_name(A::type_name())));
+        self.spawn_with_id::<A>(placement, id, name, options.device, init)
+    }
+
+    fn spawn_with_id<A: Actor>(&self, placement: Placement, id: u64, name: String, device: Device, init: A::Init) -> Result<ActorHandle<A>> {
         let live_graph = Arc::new(Mutex::new(None));
         let link = match placement {
             Placement::Thread => ActorLink::Thread(spawn_thread::<A>(id, &name, init)?),
@@ -81,6 +125,7 @@ impl Runtime {
             method_names: method_names::<A>,
             link,
             live_graph,
+            device,
         }));
         Ok(ActorHandle::from_core(core))
     }

@@ -2,17 +2,25 @@
 use std::time::Duration;
 
 /// Which communicator serves tensor edges and collectives that name none of their own
-/// (Ray's `_default_communicator`).
+/// (Ray's `_default_communicator`). See `docs/communicators.md`.
 #[derive(Clone, Default)]
 pub enum DefaultCommunicator {
-    /// Make one per set of actors, reusing one already made for the same set (collectives)
-    /// or a superset (point-to-point edges).
+    /// Make one group per set of actors of a collective, reusing one already made for the
+    /// same set; a point-to-point communicator edge reuses a collective's group whose actors
+    /// are a superset of its ends, else the remaining edges share one new group. Groups are
+    /// CPU groups, or NCCL ones when every member is on a CUDA device (and the NCCL crate is
+    /// linked).
     #[default]
     Create,
-    /// Make none: an edge or collective without its own communicator is a compile error.
+    /// Make none: an edge or collective without its own communicator is a compile error
+    /// naming it.
     None,
-    /// Use this communicator for everything that names none.
-    Custom(std::sync::Arc<dyn crate::comm::Communicator>),
+    /// The user's own group, bound to its actors: the communicator of every point-to-point
+    /// edge and every collective that names none (a collective's actors must then be exactly
+    /// the group's; an edge's writer and readers must be members). It reaches thread actors
+    /// through [`CommunicatorGroup::communicator`](crate::comm::CommunicatorGroup::communicator)
+    /// and process actors through its ticket and descriptors.
+    Custom(crate::dag::CustomCommunicator),
 }
 
 impl std::fmt::Debug for DefaultCommunicator {

@@ -66,6 +66,56 @@ pub(crate) enum OpSpec {
     },
     /// Write the slot of an edge to its channels.
     Write { edge: u64 },
+    /// Receive a tensor over communicator `group` from rank `peer`: its metadata (shape and
+    /// dtype, or the writer's error) from the edge's channel, its data from the communicator.
+    Recv {
+        edge: u64,
+        group: u32,
+        peer: usize,
+        stage: Stage,
+    },
+    /// Send the tensor in the edge's slot: metadata to the edge's channel, data to each of
+    /// `peers` (ranks of `group`).
+    Send {
+        edge: u64,
+        group: u32,
+        peers: Vec<usize>,
+        stage: Stage,
+    },
+    /// This actor's part of collective `coll`: the tensor in `input`'s slot goes in, the
+    /// result goes to the slot of `node`. `order[i]` is the group rank of the actor of the
+    /// collective's `i`-th input; `index` is this actor's input position.
+    Collective {
+        node: u64,
+        input: u64,
+        coll: u64,
+        kind: crate::dag::collective::CollectiveKind,
+        group: u32,
+        order: Vec<usize>,
+        index: usize,
+        stage: Stage,
+    },
+}
+
+/// When a communicator operation runs. Without overlap every one is `Inline` (it blocks the
+/// actor's loop). With `overlap_gpu_communication` it is split: `Issue` hands it to the
+/// actor's communication thread, `Wait` joins it where the value is first needed (a send has
+/// no `Wait`: the next `Issue` of the same edge joins the previous send).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub(crate) enum Stage {
+    Inline,
+    Issue,
+    Wait,
+}
+
+impl OpSpec {
+    /// The stage of a communicator operation, `None` for the others.
+    pub(crate) fn comm_stage(&self) -> Option<Stage> {
+        match self {
+            OpSpec::Recv { stage, .. } | OpSpec::Send { stage, .. } | OpSpec::Collective { stage, .. } => Some(*stage),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -261,7 +261,7 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
             return Err(e);
         }
         done.push((actor.name().to_string(), done_rx));
-        installing.push((actor.name().to_string(), installed_rx));
+        installing.push((actor.clone(), installed_rx));
     }
     let fail = |e: Error| {
         comms.destroy_all();
@@ -269,11 +269,23 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
         e
     };
     let install_deadline = Instant::now() + Duration::from_secs(30);
-    for (name, rx) in &installing {
+    for (actor, rx) in &installing {
+        let name = actor.name();
         match rx.recv_deadline(install_deadline) {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(fail(Error::compile(name.clone(), format!("installing the schedule failed: {e}")))),
-            Err(_) => return Err(fail(Error::compile(name.clone(), "the actor did not install its schedule within 30 s"))),
+            Ok(Err(e)) => return Err(fail(Error::compile(name, format!("installing the schedule failed: {e}")))),
+            // The actor's end was dropped: a worker that died (its monitor drops every waiter)
+            // is reported as such, not as a slow install.
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                let died = match &actor.0.link {
+                    ActorLink::Process(link) => link.death_within(Duration::from_millis(500)),
+                    ActorLink::Thread(_) => None,
+                };
+                return Err(fail(died.unwrap_or_else(|| Error::compile(name, "the actor stopped before it installed its schedule"))));
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                return Err(fail(Error::compile(name, "the actor did not install its schedule within 30 s")));
+            }
         }
     }
     let mut feeders = Vec::new();
@@ -562,20 +574,47 @@ impl<I: Value> GraphShared<I> {
         self.room.notify_all();
         let deadline = Instant::now() + self.opts.teardown_timeout;
         let mut stuck = Vec::new();
+        let mut stuck_done = Vec::new();
         for (name, rx) in self.done.lock().drain(..) {
             // A disconnected channel means the actor's process is gone: nothing to wait for.
             if let Err(crossbeam_channel::RecvTimeoutError::Timeout) = rx.recv_deadline(deadline) {
-                stuck.push(name);
+                stuck.push(name.clone());
+                stuck_done.push((name, rx));
             }
         }
+        let mut still_busy = Vec::new();
         for actor in &self.actors {
-            if let ActorLink::Process(link) = &actor.0.link
-                && stuck.iter().any(|s| s == actor.name())
-            {
-                let _ = link.kill();
+            if !stuck.iter().any(|s| s == actor.name()) {
+                continue;
+            }
+            match &actor.0.link {
+                ActorLink::Process(link) => {
+                    let _ = link.kill();
+                }
+                ActorLink::Thread(_) => still_busy.push(actor.clone()),
             }
         }
-        release_actors(&self.actors, self.id);
+        let free: Vec<HandleCore> = self.actors.iter().filter(|a| !still_busy.iter().any(|b| b.same(a))).cloned().collect();
+        release_actors(&free, self.id);
+        // A thread actor still inside a method cannot be stopped: it stays busy (one-off calls
+        // and new graphs get `ActorBusy` instead of queueing for ever behind the method) until
+        // its loop ends, and is released then.
+        for actor in still_busy {
+            let Some(at) = stuck_done.iter().position(|(name, _)| name == actor.name()) else {
+                release_actors(std::slice::from_ref(&actor), self.id);
+                continue;
+            };
+            let (_, done) = stuck_done.swap_remove(at);
+            let graph = self.id;
+            let waiter = actor.clone();
+            let spawned = std::thread::Builder::new().name(format!("adag-release-{}", actor.name())).spawn(move || {
+                let _ = done.recv();
+                release_actors(std::slice::from_ref(&waiter), graph);
+            });
+            if spawned.is_err() {
+                release_actors(std::slice::from_ref(&actor), self.id);
+            }
+        }
         crate::actor::worker::graphs().lock().remove(&self.id);
         if stuck.is_empty() {
             Ok(())
@@ -583,7 +622,7 @@ impl<I: Value> GraphShared<I> {
             Err(Error::Timeout {
                 what: format!("actors {} to stop their loops at teardown", stuck.join(", ")),
                 timeout: self.opts.teardown_timeout,
-                hint: "a method is still running; worker processes were killed, thread actors finish it in the background".into(),
+                hint: "a method is still running; worker processes were killed, thread actors finish it in the background and stay busy until then".into(),
             })
         }
     }

@@ -9,6 +9,14 @@ fn esc(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
+fn stage_text(stage: crate::compile::plan::Stage) -> &'static str {
+    match stage {
+        crate::compile::plan::Stage::Inline => "",
+        crate::compile::plan::Stage::Issue => ", issue",
+        crate::compile::plan::Stage::Wait => ", wait",
+    }
+}
+
 pub(crate) fn dot(plan: &GraphPlan, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "digraph \"adag graph #{}\" {{", plan.graph);
@@ -53,6 +61,9 @@ pub(crate) fn dot(plan: &GraphPlan, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> St
                 OpSpec::Read { edge } => format!("read {}", plan.edges[edge].label),
                 OpSpec::Compute { node, .. } | OpSpec::Split { node, .. } => format!("compute {}", plan.edges[node].label),
                 OpSpec::Write { edge } => format!("write {}", plan.edges[edge].label),
+                OpSpec::Recv { edge, stage, .. } => format!("recv {} (communicator{})", plan.edges[edge].label, stage_text(*stage)),
+                OpSpec::Send { edge, stage, .. } => format!("send {} (communicator{})", plan.edges[edge].label, stage_text(*stage)),
+                OpSpec::Collective { node, stage, .. } => format!("{}{}", plan.edges[node].label, stage_text(*stage)),
             })
             .collect();
         let _ = writeln!(
