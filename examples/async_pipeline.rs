@@ -24,12 +24,14 @@ fn main() -> anyhow::Result<()> {
     let dag = Dag::<u64>::new();
     let out = b.double(a.double(dag.input()));
     // Compiled outside any runtime; awaited inside one later.
-    let graph = Arc::new(dag.compile(
-        out,
-        CompileOptions::default()
-            .enable_asyncio(true)
-            .max_inflight_executions(64),
-    )?);
+    let graph = Arc::new(
+        dag.compile(
+            out,
+            CompileOptions::default()
+                .enable_asyncio(true)
+                .max_inflight_executions(64),
+        )?,
+    );
     let tokio_rt = tokio::runtime::Runtime::new()?;
     tokio_rt.block_on(async {
         let t = Instant::now();

@@ -41,7 +41,10 @@ fn main() -> anyhow::Result<()> {
     ];
     println!(
         "spawned 3 worker processes: pids {:?}",
-        stages.iter().map(|s| s.pid().unwrap_or(0)).collect::<Vec<_>>()
+        stages
+            .iter()
+            .map(|s| s.pid().unwrap_or(0))
+            .collect::<Vec<_>>()
     );
 
     let dag = Dag::<Vec<f32>>::new();
@@ -49,7 +52,10 @@ fn main() -> anyhow::Result<()> {
     let y = stages[2].forward(stages[1].forward(stages[0].forward(x)));
     let t = Instant::now();
     let graph = dag.compile(y, CompileOptions::default().max_inflight_executions(16))?;
-    println!("compiled a 3-stage pipeline across processes in {:?}", t.elapsed());
+    println!(
+        "compiled a 3-stage pipeline across processes in {:?}",
+        t.elapsed()
+    );
 
     let input = vec![1.0f32; 256];
     let out = graph.execute(input.clone())?.get()?;
@@ -85,7 +91,10 @@ fn main() -> anyhow::Result<()> {
         r.get()?;
     }
     let secs = t.elapsed().as_secs_f64();
-    println!("compiled graph, pipelined: {:>8.0} executions/s (8 in flight)", n as f64 / secs);
+    println!(
+        "compiled graph, pipelined: {:>8.0} executions/s (8 in flight)",
+        n as f64 / secs
+    );
     graph.teardown()?;
 
     // The baseline: the same three calls made one by one.

@@ -8,19 +8,22 @@ pub mod comm;
 pub mod compile;
 pub mod dag;
 pub mod error;
-pub mod tensor;
 pub mod exec;
 pub(crate) mod sync;
+pub mod tensor;
 mod value;
 
 pub use actor::{Actor, ActorHandle, HandleCore, Placement, Runtime, SpawnOptions};
 pub use adag_macros::actor;
+pub use comm::{CommError, CommId, Communicator, CommunicatorFactory, CommunicatorGroup, ReduceOp};
 pub use compile::{CommunicatorInfo, CompileOptions, DefaultCommunicator};
 pub use dag::collective;
-pub use dag::{AnyNode, Arg, CustomCommunicator, Dag, ErasedArg, InputNode, IntoOutputs, MultiOutput, Node, Transport};
+pub use dag::{
+    AnyNode, Arg, CustomCommunicator, Dag, ErasedArg, InputNode, IntoOutputs, MultiOutput, Node,
+    Transport,
+};
 pub use error::{Capacity, Error, Result};
 pub use exec::{CompiledGraph, CompiledRef, RefSet, get_all};
-pub use comm::{CommError, CommId, Communicator, CommunicatorFactory, CommunicatorGroup, ReduceOp};
 pub use tensor::{DType, Device, Element, Tensor, TensorError};
 pub use value::{TypeTag, Value};
 
@@ -36,8 +39,8 @@ pub fn init() {
 pub mod __private {
     pub use crate::actor::method::{method, method_split};
     pub use crate::actor::registry::{ACTOR_TYPES, ActorTypeEntry};
-    pub use crate::compile::comms::COMM_FACTORIES;
     pub use crate::actor::{FromHandleCore, HandleCore, MethodEntry};
+    pub use crate::compile::comms::COMM_FACTORIES;
     pub use linkme;
 
     /// Run an async method to completion on the actor's own thread.

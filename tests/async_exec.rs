@@ -25,7 +25,9 @@ fn compiled_outside_the_runtime_then_awaited() {
         let dag = Dag::<u64>::new();
         let g = dag.compile(a.echo(dag.input()), async_opts()).unwrap();
         // The runtime is created only now, after compile.
-        let value = tokio_rt().block_on(async { g.execute_async(41).await?.await }).unwrap();
+        let value = tokio_rt()
+            .block_on(async { g.execute_async(41).await?.await })
+            .unwrap();
         assert_eq!(value, 42);
     });
 }
@@ -44,10 +46,18 @@ fn sync_and_async_apis_refuse_the_other_mode() {
         g.teardown().unwrap();
 
         let dag = Dag::<u64>::new();
-        let g = dag.compile(a.echo(dag.input()), CompileOptions::default()).unwrap();
-        assert!(matches!(tokio_rt().block_on(g.execute_async(1)), Err(Error::WrongMode { .. })));
+        let g = dag
+            .compile(a.echo(dag.input()), CompileOptions::default())
+            .unwrap();
+        assert!(matches!(
+            tokio_rt().block_on(g.execute_async(1)),
+            Err(Error::WrongMode { .. })
+        ));
         let r = g.execute(1).unwrap();
-        assert!(matches!(tokio_rt().block_on(async { r.clone().await }), Err(Error::WrongMode { .. })));
+        assert!(matches!(
+            tokio_rt().block_on(async { r.clone().await }),
+            Err(Error::WrongMode { .. })
+        ));
         assert_eq!(r.get().unwrap(), 2);
     });
 }
@@ -69,8 +79,13 @@ fn many_tasks_many_executions_in_order_per_ref() {
         let b = worker(&rt, p, 10);
         let dag = Dag::<u64>::new();
         let g = std::sync::Arc::new(
-            dag.compile(b.echo(a.echo(dag.input())), async_opts().max_inflight_executions(64).max_buffered_results(64))
-                .unwrap(),
+            dag.compile(
+                b.echo(a.echo(dag.input())),
+                async_opts()
+                    .max_inflight_executions(64)
+                    .max_buffered_results(64),
+            )
+            .unwrap(),
         );
         tokio_rt().block_on(async {
             let mut tasks = Vec::new();
@@ -83,7 +98,9 @@ fn many_tasks_many_executions_in_order_per_ref() {
                         let r = loop {
                             match g.execute_async(x).await {
                                 Ok(r) => break r,
-                                Err(Error::CapacityExceeded { .. }) => tokio::task::yield_now().await,
+                                Err(Error::CapacityExceeded { .. }) => {
+                                    tokio::task::yield_now().await
+                                }
                                 Err(e) => panic!("{e}"),
                             }
                         };
@@ -105,7 +122,12 @@ fn inflight_and_buffered_limits_hold() {
         let a = worker(&rt, p, 0);
         let dag = Dag::<u64>::new();
         let g = dag
-            .compile(a.echo(dag.input()), async_opts().max_inflight_executions(3).max_buffered_results(2))
+            .compile(
+                a.echo(dag.input()),
+                async_opts()
+                    .max_inflight_executions(3)
+                    .max_buffered_results(2),
+            )
             .unwrap();
         tokio_rt().block_on(async {
             let mut refs = Vec::new();
@@ -140,13 +162,22 @@ fn dropped_future_loses_nothing_for_the_others() {
         let rt = Runtime::new().unwrap();
         let a = worker(&rt, p, 0);
         let dag = Dag::<u64>::new();
-        let g = dag.compile(a.slow(dag.input(), 30u64), async_opts().max_inflight_executions(2)).unwrap();
+        let g = dag
+            .compile(
+                a.slow(dag.input(), 30u64),
+                async_opts().max_inflight_executions(2),
+            )
+            .unwrap();
         tokio_rt().block_on(async {
             let first = g.execute_async(1).await.unwrap();
             let second = g.execute_async(2).await.unwrap();
             // Cancel the first while it is pending.
-            let timed_out = tokio::time::timeout(Duration::from_millis(1), first.into_future_value()).await;
-            assert!(timed_out.is_err(), "the first result came too fast to test cancellation");
+            let timed_out =
+                tokio::time::timeout(Duration::from_millis(1), first.into_future_value()).await;
+            assert!(
+                timed_out.is_err(),
+                "the first result came too fast to test cancellation"
+            );
             assert_eq!(second.await.unwrap(), 2);
             // Its slot is free again: two more fit.
             let c = g.execute_async(3).await.unwrap();
@@ -163,7 +194,11 @@ fn teardown_wakes_every_pending_future() {
         let a = worker(&rt, p, 0);
         let dag = Dag::<u64>::new();
         let g = std::sync::Arc::new(
-            dag.compile(a.slow(dag.input(), 2_000u64), async_opts().teardown_timeout(Duration::from_secs(5))).unwrap(),
+            dag.compile(
+                a.slow(dag.input(), 2_000u64),
+                async_opts().teardown_timeout(Duration::from_secs(5)),
+            )
+            .unwrap(),
         );
         tokio_rt().block_on(async {
             let mut waiting = Vec::new();
@@ -173,10 +208,19 @@ fn teardown_wakes_every_pending_future() {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
             let g2 = g.clone();
-            std::thread::spawn(move || g2.teardown()).join().unwrap().ok();
+            std::thread::spawn(move || g2.teardown())
+                .join()
+                .unwrap()
+                .ok();
             for w in waiting {
-                let r = tokio::time::timeout(Duration::from_secs(10), w).await.expect("future never woke").unwrap();
-                assert!(r.is_err(), "a pending future resolved with a value after teardown");
+                let r = tokio::time::timeout(Duration::from_secs(10), w)
+                    .await
+                    .expect("future never woke")
+                    .unwrap();
+                assert!(
+                    r.is_err(),
+                    "a pending future resolved with a value after teardown"
+                );
             }
         });
     });
@@ -187,17 +231,25 @@ fn worker_death_resolves_pending_futures_with_actor_died() {
     let rt = Runtime::new().unwrap();
     let a = worker(&rt, Placement::Process, 0);
     let dag = Dag::<u64>::new();
-    let g = dag.compile(a.slow(dag.input(), 5_000u64), async_opts()).unwrap();
+    let g = dag
+        .compile(a.slow(dag.input(), 5_000u64), async_opts())
+        .unwrap();
     tokio_rt().block_on(async {
         let r = g.execute_async(1).await.unwrap();
         let pending = tokio::spawn(async move { r.await });
         tokio::time::sleep(Duration::from_millis(50)).await;
         a.kill().unwrap();
-        let got = tokio::time::timeout(Duration::from_secs(5), pending).await.expect("future never woke").unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(5), pending)
+            .await
+            .expect("future never woke")
+            .unwrap();
         match got {
             Err(Error::ActorDied { actor, .. }) => assert_eq!(actor, a.name()),
             other => panic!("expected ActorDied, got {other:?}"),
         }
-        assert!(matches!(g.execute_async(2).await, Err(Error::ActorDied { .. })));
+        assert!(matches!(
+            g.execute_async(2).await,
+            Err(Error::ActorDied { .. })
+        ));
     });
 }

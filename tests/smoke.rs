@@ -82,7 +82,11 @@ fn async_graph() {
         .compile(out, CompileOptions::default().enable_asyncio(true))
         .unwrap();
     assert!(matches!(g.execute(1), Err(adag::Error::WrongMode { .. })));
-    let tokio_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let tokio_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     tokio_rt.block_on(async {
         let r = g.execute_async(1).await.unwrap();
         assert_eq!(r.await.unwrap(), 2);

@@ -69,7 +69,8 @@ pub(crate) fn call_failure(actor: &str, method: &str, failure: CallFailure) -> E
         CallFailure::NoSuchMethod => Error::Call {
             actor: actor.to_string(),
             method: method.to_string(),
-            message: "the actor has no such method; check the name against its #[actor] impl".into(),
+            message: "the actor has no such method; check the name against its #[actor] impl"
+                .into(),
         },
         CallFailure::BadArgs(message) => Error::Call {
             actor: actor.to_string(),
@@ -80,7 +81,12 @@ pub(crate) fn call_failure(actor: &str, method: &str, failure: CallFailure) -> E
 }
 
 impl ActorLink {
-    pub(crate) fn call<Args: Value, R: Value>(&self, actor: &str, method: &str, args: Args) -> Result<R> {
+    pub(crate) fn call<Args: Value, R: Value>(
+        &self,
+        actor: &str,
+        method: &str,
+        args: Args,
+    ) -> Result<R> {
         match self {
             ActorLink::Thread(link) => {
                 let (reply, rx) = crossbeam_channel::bounded(1);
@@ -131,7 +137,11 @@ impl ActorLink {
 
 /// An actor with its type erased, as a host thread or worker process holds it.
 pub(crate) trait ErasedHost: Send {
-    fn call_any(&mut self, method: &str, args: Box<dyn Any + Send>) -> Result<Box<dyn Any + Send>, CallFailure>;
+    fn call_any(
+        &mut self,
+        method: &str,
+        args: Box<dyn Any + Send>,
+    ) -> Result<Box<dyn Any + Send>, CallFailure>;
     fn call_encoded(&mut self, method: &str, args: &[u8]) -> Result<Vec<u8>, CallFailure>;
     /// Build this actor's schedule of `plan`, report it through `installed`, then run it
     /// until a channel closes; returns why it stopped.
@@ -155,7 +165,12 @@ fn method<A: Actor>(name: &str) -> Result<&'static MethodEntry<A>, CallFailure> 
 }
 
 impl<A: Actor> Host<A> {
-    fn build(&self, plan: &GraphPlan, chans: &ProcChannels, comms: &CommMap) -> Result<(Vec<Op<A>>, CommGuard), String> {
+    fn build(
+        &self,
+        plan: &GraphPlan,
+        chans: &ProcChannels,
+        comms: &CommMap,
+    ) -> Result<(Vec<Op<A>>, CommGuard), String> {
         let me = Loc::Actor(self.id);
         let Some(mine) = plan.actors.iter().find(|a| a.actor == self.id) else {
             return Ok((Vec::new(), CommCtx::<A>::default().guard()));
@@ -166,20 +181,35 @@ impl<A: Actor> Host<A> {
         let missing = |m: &str| format!("actor {} has no method {m}", self.name);
         for op in &mine.ops {
             match op {
-                OpSpec::Compute { node, method: m, args } => {
+                OpSpec::Compute {
+                    node,
+                    method: m,
+                    args,
+                } => {
                     let entry = method::<A>(m).map_err(|_| missing(m))?;
                     computes.insert(*node, entry.imp.build(&mut b, *node, args)?);
                 }
-                OpSpec::Split { node, source, method: m, index } => {
+                OpSpec::Split {
+                    node,
+                    source,
+                    method: m,
+                    index,
+                } => {
                     let entry = method::<A>(m).map_err(|_| missing(m))?;
-                    computes.insert(*node, entry.imp.build_split(&mut b, *node, *source, *index)?);
+                    computes.insert(
+                        *node,
+                        entry.imp.build_split(&mut b, *node, *source, *index)?,
+                    );
                 }
                 OpSpec::Collective { stage, .. } => {
                     if *stage != Stage::Wait {
                         build_collective(&mut b, op)?;
                     }
                 }
-                OpSpec::Read { .. } | OpSpec::Write { .. } | OpSpec::Recv { .. } | OpSpec::Send { .. } => {}
+                OpSpec::Read { .. }
+                | OpSpec::Write { .. }
+                | OpSpec::Recv { .. }
+                | OpSpec::Send { .. } => {}
             }
         }
         let mut ops = Vec::with_capacity(mine.ops.len());
@@ -188,9 +218,13 @@ impl<A: Actor> Host<A> {
                 OpSpec::Read { edge } => b.reads.remove(edge),
                 OpSpec::Write { edge } => b.writes.remove(edge),
                 OpSpec::Compute { node, .. } | OpSpec::Split { node, .. } => computes.remove(node),
-                OpSpec::Recv { .. } | OpSpec::Send { .. } | OpSpec::Collective { .. } => b.comm.take(op),
+                OpSpec::Recv { .. } | OpSpec::Send { .. } | OpSpec::Collective { .. } => {
+                    b.comm.take(op)
+                }
             };
-            ops.push(built.ok_or_else(|| format!("schedule of {}: {op:?} was not built", self.name))?);
+            ops.push(
+                built.ok_or_else(|| format!("schedule of {}: {op:?} was not built", self.name))?,
+            );
         }
         let guard = b.comm.guard();
         Ok((ops, guard))
@@ -198,7 +232,11 @@ impl<A: Actor> Host<A> {
 }
 
 impl<A: Actor> ErasedHost for Host<A> {
-    fn call_any(&mut self, name: &str, args: Box<dyn Any + Send>) -> Result<Box<dyn Any + Send>, CallFailure> {
+    fn call_any(
+        &mut self,
+        name: &str,
+        args: Box<dyn Any + Send>,
+    ) -> Result<Box<dyn Any + Send>, CallFailure> {
         method::<A>(name)?.imp.call_any(&mut self.actor, args)
     }
 
@@ -244,10 +282,18 @@ impl<A: Actor> ErasedHost for Host<A> {
 pub(crate) fn host_loop(mut host: Box<dyn ErasedHost>, control: Receiver<Control>) {
     while let Ok(request) = control.recv() {
         match request {
-            Control::Call { method, args, reply } => {
+            Control::Call {
+                method,
+                args,
+                reply,
+            } => {
                 let _ = reply.send(host.call_any(&method, args));
             }
-            Control::CallEncoded { method, args, reply } => {
+            Control::CallEncoded {
+                method,
+                args,
+                reply,
+            } => {
                 let _ = reply.send(host.call_encoded(&method, &args));
             }
             Control::Run(run) => {

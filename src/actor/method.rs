@@ -44,10 +44,25 @@ impl<A> MethodEntry<A> {
 
 pub(crate) trait ErasedMethod<A>: Send + Sync {
     fn sig(&self) -> MethodSig;
-    fn call_any(&self, actor: &mut A, args: Box<dyn Any + Send>) -> Result<Box<dyn Any + Send>, CallFailure>;
+    fn call_any(
+        &self,
+        actor: &mut A,
+        args: Box<dyn Any + Send>,
+    ) -> Result<Box<dyn Any + Send>, CallFailure>;
     fn call_encoded(&self, actor: &mut A, args: &[u8]) -> Result<Vec<u8>, CallFailure>;
-    fn build(&self, b: &mut TaskBuilder<'_, A>, node: u64, args: &[ArgSource]) -> Result<Op<A>, String>;
-    fn build_split(&self, b: &mut TaskBuilder<'_, A>, node: u64, source: u64, index: usize) -> Result<Op<A>, String>;
+    fn build(
+        &self,
+        b: &mut TaskBuilder<'_, A>,
+        node: u64,
+        args: &[ArgSource],
+    ) -> Result<Op<A>, String>;
+    fn build_split(
+        &self,
+        b: &mut TaskBuilder<'_, A>,
+        node: u64,
+        source: u64,
+        index: usize,
+    ) -> Result<Op<A>, String>;
 }
 
 struct Method<A, Args, R> {
@@ -67,7 +82,11 @@ pub fn method<A: 'static, Args: ArgTuple, R: Value>(
     MethodEntry {
         name,
         arg_names,
-        imp: Box::new(Method { name, f, split: None }),
+        imp: Box::new(Method {
+            name,
+            f,
+            split: None,
+        }),
     }
 }
 
@@ -117,11 +136,19 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
         }
     }
 
-    fn call_any(&self, actor: &mut A, args: Box<dyn Any + Send>) -> Result<Box<dyn Any + Send>, CallFailure> {
+    fn call_any(
+        &self,
+        actor: &mut A,
+        args: Box<dyn Any + Send>,
+    ) -> Result<Box<dyn Any + Send>, CallFailure> {
         let args = args.downcast::<Args>().map_err(|_| {
-            CallFailure::BadArgs(format!("expected arguments {}", std::any::type_name::<Args>()))
+            CallFailure::BadArgs(format!(
+                "expected arguments {}",
+                std::any::type_name::<Args>()
+            ))
         })?;
-        self.invoke(actor, *args).map(|r| Box::new(r) as Box<dyn Any + Send>)
+        self.invoke(actor, *args)
+            .map(|r| Box::new(r) as Box<dyn Any + Send>)
     }
 
     fn call_encoded(&self, actor: &mut A, args: &[u8]) -> Result<Vec<u8>, CallFailure> {
@@ -135,7 +162,12 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
         encode(&r).map_err(|e| CallFailure::Task(format!("cannot encode the result: {e}")))
     }
 
-    fn build(&self, b: &mut TaskBuilder<'_, A>, node: u64, args: &[ArgSource]) -> Result<Op<A>, String> {
+    fn build(
+        &self,
+        b: &mut TaskBuilder<'_, A>,
+        node: u64,
+        args: &[ArgSource],
+    ) -> Result<Op<A>, String> {
         let readers = Args::build(b, args)?;
         let out = b.output::<R>(node, self.name)?;
         let f = self.f;
@@ -163,7 +195,13 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
         }))
     }
 
-    fn build_split(&self, b: &mut TaskBuilder<'_, A>, node: u64, source: u64, index: usize) -> Result<Op<A>, String> {
+    fn build_split(
+        &self,
+        b: &mut TaskBuilder<'_, A>,
+        node: u64,
+        source: u64,
+        index: usize,
+    ) -> Result<Op<A>, String> {
         match self.split {
             Some(split) => split(b, node, source, index),
             None => Err(format!(
@@ -207,7 +245,11 @@ impl<T: Clone> LocalSlot<T> {
 
     pub(crate) fn take(&self) -> Msg<T> {
         let left = self.left.get();
-        assert!(left > 0, "schedule bug: slot {} read more often than planned", self.label);
+        assert!(
+            left > 0,
+            "schedule bug: slot {} read more often than planned",
+            self.label
+        );
         self.left.set(left - 1);
         let mut value = self.value.borrow_mut();
         if left == 1 {
@@ -215,7 +257,12 @@ impl<T: Clone> LocalSlot<T> {
         } else {
             value.clone()
         }
-        .unwrap_or_else(|| panic!("schedule bug: slot {} read before it was written", self.label))
+        .unwrap_or_else(|| {
+            panic!(
+                "schedule bug: slot {} read before it was written",
+                self.label
+            )
+        })
     }
 }
 
@@ -307,7 +354,12 @@ mod arg_tuples {
 pub trait SplitTuple: Value {
     #[doc(hidden)]
     #[allow(private_interfaces)]
-    fn build_split<A>(b: &mut TaskBuilder<'_, A>, node: u64, source: u64, index: usize) -> Result<Op<A>, String>;
+    fn build_split<A>(
+        b: &mut TaskBuilder<'_, A>,
+        node: u64,
+        source: u64,
+        index: usize,
+    ) -> Result<Op<A>, String>;
 }
 
 macro_rules! split_tuple {
@@ -345,7 +397,12 @@ pub(crate) struct TaskBuilder<'a, A> {
 }
 
 impl<'a, A> TaskBuilder<'a, A> {
-    pub(crate) fn new(plan: &'a GraphPlan, me: Loc, chans: &'a ProcChannels, actor_name: String) -> Self {
+    pub(crate) fn new(
+        plan: &'a GraphPlan,
+        me: Loc,
+        chans: &'a ProcChannels,
+        actor_name: String,
+    ) -> Self {
         TaskBuilder {
             plan,
             me,
@@ -415,7 +472,11 @@ impl<'a, A> TaskBuilder<'a, A> {
     }
 
     /// The slot a compute operation writes, with the write operation that sends it on.
-    pub(crate) fn output<T: Value>(&mut self, edge: u64, method: &'static str) -> Result<Rc<LocalSlot<T>>, String> {
+    pub(crate) fn output<T: Value>(
+        &mut self,
+        edge: u64,
+        method: &'static str,
+    ) -> Result<Rc<LocalSlot<T>>, String> {
         if super::comm_ops::is_send(&self.comm, edge) {
             return super::comm_ops::send_slot::<A, T>(self, edge);
         }
@@ -432,17 +493,25 @@ impl<'a, A> TaskBuilder<'a, A> {
                 Box::new(move |_: &mut A| {
                     let msg = take.take();
                     match writer.write(msg, None) {
-                        Err(ChanError::TooLarge { size, limit }) => {
-                            // The value cannot travel; its readers get an error instead.
-                            let error = Msg::Error(Arc::new(TaskError {
+                        // The value cannot travel; its readers get an error instead.
+                        Err(ChanError::TooLarge { size, limit }) => writer.write(
+                            Msg::Error(Arc::new(TaskError {
                                 actor: actor.clone(),
                                 method: method.to_string(),
                                 message: format!(
                                     "the output of {label} is {size} bytes, over the ceiling of {limit} bytes; raise CompileOptions::max_message_bytes"
                                 ),
-                            }));
-                            writer.write(error, None)
-                        }
+                            })),
+                            None,
+                        ),
+                        Err(ChanError::Codec(reason)) => writer.write(
+                            Msg::Error(Arc::new(TaskError {
+                                actor: actor.clone(),
+                                method: method.to_string(),
+                                message: format!("the output of {label} cannot be sent: {reason}"),
+                            })),
+                            None,
+                        ),
                         other => other,
                     }
                 }),
@@ -452,7 +521,12 @@ impl<'a, A> TaskBuilder<'a, A> {
         Ok(slot)
     }
 
-    fn split_op<S: Value, T: Value>(&mut self, node: u64, source: u64, pick: fn(S) -> T) -> Result<Op<A>, String> {
+    fn split_op<S: Value, T: Value>(
+        &mut self,
+        node: u64,
+        source: u64,
+        pick: fn(S) -> T,
+    ) -> Result<Op<A>, String> {
         let input = self
             .slot::<S>(source)?
             .ok_or_else(|| format!("split of edge {source} before its value exists"))?;

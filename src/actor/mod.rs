@@ -157,7 +157,12 @@ impl DynMethod {
             .map(|s| s.ret)
             .unwrap_or(TypeTag::of::<UnknownMethod>());
         AnyNode {
-            inner: method_node(self.actor.clone(), &self.name, args.into_iter().collect(), ret),
+            inner: method_node(
+                self.actor.clone(),
+                &self.name,
+                args.into_iter().collect(),
+                ret,
+            ),
         }
     }
 }

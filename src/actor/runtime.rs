@@ -92,12 +92,22 @@ impl Runtime {
     }
 
     /// Spawn an actor with a name of your choosing (shown in errors and pictures).
-    pub fn spawn_named<A: Actor>(&self, placement: Placement, name: impl Into<String>, init: A::Init) -> Result<ActorHandle<A>> {
+    pub fn spawn_named<A: Actor>(
+        &self,
+        placement: Placement,
+        name: impl Into<String>,
+        init: A::Init,
+    ) -> Result<ActorHandle<A>> {
         self.spawn_with_id::<A>(placement, next_actor_id(), name.into(), Device::Cpu, init)
     }
 
     /// Spawn an actor with [`SpawnOptions`] (name, device).
-    pub fn spawn_with<A: Actor>(&self, placement: Placement, options: SpawnOptions, init: A::Init) -> Result<ActorHandle<A>> {
+    pub fn spawn_with<A: Actor>(
+        &self,
+        placement: Placement,
+        options: SpawnOptions,
+        init: A::Init,
+    ) -> Result<ActorHandle<A>> {
         let id = next_actor_id();
         let name = options
             .name
@@ -105,7 +115,14 @@ impl Runtime {
         self.spawn_with_id::<A>(placement, id, name, options.device, init)
     }
 
-    fn spawn_with_id<A: Actor>(&self, placement: Placement, id: u64, name: String, device: Device, init: A::Init) -> Result<ActorHandle<A>> {
+    fn spawn_with_id<A: Actor>(
+        &self,
+        placement: Placement,
+        id: u64,
+        name: String,
+        device: Device,
+        init: A::Init,
+    ) -> Result<ActorHandle<A>> {
         let live_graph = Arc::new(Mutex::new(None));
         let link = match placement {
             Placement::Thread => ActorLink::Thread(spawn_thread::<A>(id, &name, init)?),
@@ -114,7 +131,13 @@ impl Runtime {
                     actor: name.clone(),
                     message: format!("cannot encode the init arguments: {e}"),
                 })?;
-                ActorLink::Process(ProcessLink::spawn(id, &name, A::type_name(), init, live_graph.clone())?)
+                ActorLink::Process(ProcessLink::spawn(
+                    id,
+                    &name,
+                    A::type_name(),
+                    init,
+                    live_graph.clone(),
+                )?)
             }
         };
         let core = HandleCore(Arc::new(ActorShared {
@@ -161,7 +184,9 @@ fn spawn_thread<A: Actor>(id: u64, name: &str, init: A::Init) -> Result<ThreadLi
             actor: name.to_string(),
             message: format!("cannot start its thread: {e}"),
         })?;
-    let started = ready_rx.recv().unwrap_or_else(|_| Err("its thread stopped during construction".into()));
+    let started = ready_rx
+        .recv()
+        .unwrap_or_else(|_| Err("its thread stopped during construction".into()));
     started.map_err(|message| Error::Spawn {
         actor: name.to_string(),
         message: format!("new() failed: {message}"),

@@ -3,8 +3,8 @@
 //! passed as `SCM_RIGHTS`. Payloads larger than one packet are split into chunks.
 use crate::compile::plan::GraphPlan;
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
-    recvmsg, sendmsg,
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, recvmsg, sendmsg,
 };
 use serde::{Deserialize, Serialize};
 use std::io::{IoSlice, IoSliceMut};
@@ -32,7 +32,9 @@ pub(crate) enum ToWorker {
     /// The communicator ranks of the next `Install`: each ticket's descriptors arrive with
     /// this message, in ticket order (`fds` of them per ticket). A message of its own, so that
     /// `Install` keeps its shape and each message carries few descriptors.
-    InstallComms { comms: Vec<CommTicket> },
+    InstallComms {
+        comms: Vec<CommTicket>,
+    },
     Shutdown,
 }
 
@@ -67,7 +69,11 @@ const CHUNK: usize = 64 * 1024;
 const MAX_FDS: usize = 64;
 
 /// Send one message with its fds.
-pub(crate) fn send<T: Serialize>(sock: BorrowedFd<'_>, msg: &T, fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+pub(crate) fn send<T: Serialize>(
+    sock: BorrowedFd<'_>,
+    msg: &T,
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<()> {
     let body = postcard::to_stdvec(msg).map_err(std::io::Error::other)?;
     let total = (body.len() as u64).to_le_bytes();
     let first = body.len().min(CHUNK);
@@ -75,24 +81,38 @@ pub(crate) fn send<T: Serialize>(sock: BorrowedFd<'_>, msg: &T, fds: &[BorrowedF
     let mut ancillary = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() {
         if fds.len() > MAX_FDS {
-            return Err(std::io::Error::other(format!("at most {MAX_FDS} channels per actor")));
+            return Err(std::io::Error::other(format!(
+                "at most {MAX_FDS} channels per actor"
+            )));
         }
         ancillary.push(SendAncillaryMessage::ScmRights(fds));
     }
     let iov = [IoSlice::new(&total), IoSlice::new(&body[..first])];
     sendmsg(sock, &iov, &mut ancillary, SendFlags::NOSIGNAL)?;
     for chunk in body[first..].chunks(CHUNK) {
-        sendmsg(sock, &[IoSlice::new(chunk)], &mut SendAncillaryBuffer::default(), SendFlags::NOSIGNAL)?;
+        sendmsg(
+            sock,
+            &[IoSlice::new(chunk)],
+            &mut SendAncillaryBuffer::default(),
+            SendFlags::NOSIGNAL,
+        )?;
     }
     Ok(())
 }
 
 /// Receive one message and its fds; `Ok(None)` when the peer closed the socket.
-pub(crate) fn recv<T: for<'de> Deserialize<'de>>(sock: BorrowedFd<'_>) -> std::io::Result<Option<(T, Vec<OwnedFd>)>> {
+pub(crate) fn recv<T: for<'de> Deserialize<'de>>(
+    sock: BorrowedFd<'_>,
+) -> std::io::Result<Option<(T, Vec<OwnedFd>)>> {
     let mut buf = vec![0u8; CHUNK + 8];
     let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut ancillary = RecvAncillaryBuffer::new(&mut space);
-    let got = recvmsg(sock, &mut [IoSliceMut::new(&mut buf)], &mut ancillary, RecvFlags::CMSG_CLOEXEC)?;
+    let got = recvmsg(
+        sock,
+        &mut [IoSliceMut::new(&mut buf)],
+        &mut ancillary,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
     if got.bytes == 0 {
         return Ok(None);
     }
@@ -106,7 +126,11 @@ pub(crate) fn recv<T: for<'de> Deserialize<'de>>(sock: BorrowedFd<'_>) -> std::i
         return Err(std::io::Error::other("truncated control message header"));
     }
     let total = usize::try_from(u64::from_le_bytes(buf[..8].try_into().expect("8 bytes")))
-        .map_err(|_| std::io::Error::other("control message header announces more than this machine can address"))?;
+        .map_err(|_| {
+            std::io::Error::other(
+                "control message header announces more than this machine can address",
+            )
+        })?;
     // The header is only a claim: reserve what one packet holds, and grow as chunks arrive,
     // so that a corrupt or hostile length cannot abort the process on allocation.
     let mut body = Vec::with_capacity(total.min(4 * CHUNK));
@@ -114,19 +138,29 @@ pub(crate) fn recv<T: for<'de> Deserialize<'de>>(sock: BorrowedFd<'_>) -> std::i
     while body.len() < total {
         let n = rustix::net::recv(sock, &mut buf[..CHUNK], RecvFlags::empty())?.0;
         if n == 0 {
-            return Err(std::io::Error::other("control message cut short: the peer closed the socket"));
+            return Err(std::io::Error::other(
+                "control message cut short: the peer closed the socket",
+            ));
         }
         body.extend_from_slice(&buf[..n]);
     }
     if body.len() != total {
-        return Err(std::io::Error::other("control message longer than its header says"));
+        return Err(std::io::Error::other(
+            "control message longer than its header says",
+        ));
     }
-    let msg = postcard::from_bytes(&body).map_err(|e| std::io::Error::other(format!("malformed control message: {e}")))?;
+    let msg = postcard::from_bytes(&body)
+        .map_err(|e| std::io::Error::other(format!("malformed control message: {e}")))?;
     Ok(Some((msg, fds)))
 }
 
 /// A connected pair of control sockets.
 pub(crate) fn socket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     use rustix::net::{AddressFamily, SocketFlags, SocketType, socketpair};
-    Ok(socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?)
+    Ok(socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?)
 }

@@ -156,12 +156,19 @@ fn spawn_child(name: &str, child_sock: OwnedFd) -> std::io::Result<Child> {
 }
 
 impl ProcessLink {
-    pub(crate) fn spawn(id: u64, name: &str, type_name: &str, init: Vec<u8>, live_graph: Arc<Mutex<Option<u64>>>) -> Result<Self> {
+    pub(crate) fn spawn(
+        id: u64,
+        name: &str,
+        type_name: &str,
+        init: Vec<u8>,
+        live_graph: Arc<Mutex<Option<u64>>>,
+    ) -> Result<Self> {
         let spawn_err = |message: String| Error::Spawn {
             actor: name.to_string(),
             message,
         };
-        let (sock, child_sock) = wire::socket_pair().map_err(|e| spawn_err(format!("socketpair: {e}")))?;
+        let (sock, child_sock) =
+            wire::socket_pair().map_err(|e| spawn_err(format!("socketpair: {e}")))?;
         let (tx, rx) = crossbeam_channel::bounded(1);
         let child_name = name.to_string();
         spawner()
@@ -192,13 +199,18 @@ impl ProcessLink {
         std::thread::Builder::new()
             .name(format!("adag-monitor-{name}"))
             .spawn(move || {
-                let reason = child.wait().map_or_else(|e| format!("waiting for it failed: {e}"), exit_reason);
+                let reason = child
+                    .wait()
+                    .map_or_else(|e| format!("waiting for it failed: {e}"), exit_reason);
                 *monitor.dead.lock() = Some(reason.clone());
                 // Replies the worker sent just before it exited are delivered first: the
                 // reader reaches the end of the socket at once, since the worker's end is
                 // closed with it (bounded, in case a grandchild inherited that end).
                 let _ = reader_done.recv_timeout(Duration::from_millis(200));
                 monitor.fail_waiters();
+                // Reaped: said before the graph is told, because telling it may drop the last
+                // handle of this very worker here, whose `Drop` waits for this message.
+                let _ = exited_tx.send(());
                 let graph = *monitor.live_graph.lock();
                 if let Some(g) = graph {
                     let sink = graphs().lock().get(&g).and_then(|w| w.upgrade());
@@ -206,7 +218,6 @@ impl ProcessLink {
                         sink.actor_died(&monitor.name, &reason);
                     }
                 }
-                let _ = exited_tx.send(());
             })
             .map_err(|e| spawn_err(format!("cannot start the monitor thread: {e}")))?;
         // Reader: route the worker's replies.
@@ -245,13 +256,19 @@ impl ProcessLink {
         }
     }
 
-    pub(crate) fn call<Args: Value, R: Value>(&self, actor: &str, method: &str, args: Args) -> Result<R> {
+    pub(crate) fn call<Args: Value, R: Value>(
+        &self,
+        actor: &str,
+        method: &str,
+        args: Args,
+    ) -> Result<R> {
         let call_err = |message: String| Error::Call {
             actor: actor.to_string(),
             method: method.to_string(),
             message,
         };
-        let args = encode(&args).map_err(|e| call_err(format!("cannot encode the arguments: {e}")))?;
+        let args =
+            encode(&args).map_err(|e| call_err(format!("cannot encode the arguments: {e}")))?;
         let _one_at_a_time = self.call_lock.lock();
         if let Some(dead) = self.shared.died() {
             return Err(dead);
@@ -266,14 +283,21 @@ impl ProcessLink {
                 },
                 &[],
             )
-            .map_err(|e| self.shared.died().unwrap_or_else(|| call_err(format!("cannot reach the worker: {e}"))))?;
+            .map_err(|e| {
+                self.shared
+                    .died()
+                    .unwrap_or_else(|| call_err(format!("cannot reach the worker: {e}")))
+            })?;
         let reply = match rx.recv() {
             Ok(r) => r,
             Err(_) => {
                 // The monitor dropped the sender: the worker is gone. Give it a moment to
                 // record why.
                 let _ = self.exited.recv_timeout(Duration::from_millis(500));
-                return Err(self.shared.died().unwrap_or_else(|| call_err("the worker stopped answering".into())));
+                return Err(self
+                    .shared
+                    .died()
+                    .unwrap_or_else(|| call_err("the worker stopped answering".into())));
             }
         };
         let bytes = reply.map_err(|f| {
@@ -291,7 +315,9 @@ impl ProcessLink {
             op: "decode",
             ty: std::any::type_name::<R>().into(),
             place: format!("the result of {actor}.{method}"),
-            message: format!("{e}; the worker's method returns another type (a stale worker binary?)"),
+            message: format!(
+                "{e}; the worker's method returns another type (a stale worker binary?)"
+            ),
         })
     }
 
@@ -312,7 +338,12 @@ impl ProcessLink {
             // The communicator ranks go first, in a message of their own (see `InstallComms`).
             self.shared
                 .send(&ToWorker::InstallComms { comms: comms.0 }, &comms.1)
-                .map_err(|e| Error::io(format!("sending the communicators to {}", self.shared.name), e))?;
+                .map_err(|e| {
+                    Error::io(
+                        format!("sending the communicators to {}", self.shared.name),
+                        e,
+                    )
+                })?;
         }
         let me = Loc::Actor(actor);
         let mut ids = Vec::new();
@@ -339,7 +370,9 @@ impl ProcessLink {
             )
             .map_err(|e| {
                 self.death_within(Duration::from_millis(500))
-                    .unwrap_or_else(|| Error::io(format!("sending the schedule to {}", self.shared.name), e))
+                    .unwrap_or_else(|| {
+                        Error::io(format!("sending the schedule to {}", self.shared.name), e)
+                    })
             })
     }
 
@@ -348,9 +381,14 @@ impl ProcessLink {
             return Ok(());
         }
         // The monitor has not reaped the child yet, so the pid still names it.
-        let pid = rustix::process::Pid::from_raw(self.pid as i32).expect("a child's pid is positive");
-        rustix::process::kill_process(pid, rustix::process::Signal::KILL)
-            .map_err(|e| Error::io(format!("killing worker {} (pid {})", self.shared.name, self.pid), e))
+        let pid =
+            rustix::process::Pid::from_raw(self.pid as i32).expect("a child's pid is positive");
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL).map_err(|e| {
+            Error::io(
+                format!("killing worker {} (pid {})", self.shared.name, self.pid),
+                e,
+            )
+        })
     }
 
     pub(crate) fn pid(&self) -> u32 {
@@ -373,6 +411,9 @@ impl ProcessLink {
 
 impl Drop for ProcessLink {
     fn drop(&mut self) {
+        if self.is_dead() {
+            return; // already reaped by its monitor
+        }
         // Ask the worker to leave, then make sure it did: no process outlives its handles.
         let _ = self.shared.send(&ToWorker::Shutdown, &[]);
         if self.exited.recv_timeout(Duration::from_secs(2)).is_err() {
@@ -421,7 +462,11 @@ pub(crate) fn maybe_run_worker() {
     };
     // A process started by a worker inherits its environment; only the driver's own child
     // is a worker.
-    if parent != rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get()).to_string() {
+    if parent
+        != rustix::process::getppid()
+            .map_or(0, |p| p.as_raw_nonzero().get())
+            .to_string()
+    {
         return;
     }
     if fd != WORKER_FD.to_string() || STARTED.swap(true, Ordering::SeqCst) {
@@ -450,7 +495,16 @@ fn worker_main(sock: OwnedFd) -> i32 {
             let _ = wire::send(sock.as_fd(), msg, &[]);
         }
     };
-    let Ok(Some((ToWorker::Spawn { id, name, type_name, init }, _))) = wire::recv::<ToWorker>(sock.as_fd()) else {
+    let Ok(Some((
+        ToWorker::Spawn {
+            id,
+            name,
+            type_name,
+            init,
+        },
+        _,
+    ))) = wire::recv::<ToWorker>(sock.as_fd())
+    else {
         return 2;
     };
     let (control, rx) = crossbeam_channel::unbounded::<Control>();
@@ -475,12 +529,18 @@ fn worker_main(sock: OwnedFd) -> i32 {
         }
     });
     if spawned.is_err() {
-        send(&FromWorker::Spawned(Err("cannot start the actor thread".into())));
+        send(&FromWorker::Spawned(Err(
+            "cannot start the actor thread".into()
+        )));
         return 3;
     }
-    let ready = ready_rx.recv().unwrap_or_else(|_| Err("the actor thread stopped".into()));
+    let ready = ready_rx
+        .recv()
+        .unwrap_or_else(|_| Err("the actor thread stopped".into()));
     let ok = ready.is_ok();
-    send(&FromWorker::Spawned(ready.map_err(|e| format!("new() failed: {e}"))));
+    send(&FromWorker::Spawned(
+        ready.map_err(|e| format!("new() failed: {e}")),
+    ));
     if !ok {
         return 4;
     }
@@ -497,7 +557,14 @@ fn worker_main(sock: OwnedFd) -> i32 {
             ToWorker::Shutdown => return 0,
             ToWorker::Call { method, args } => {
                 let (reply, reply_rx) = crossbeam_channel::bounded(1);
-                if control.send(Control::CallEncoded { method, args, reply }).is_err() {
+                if control
+                    .send(Control::CallEncoded {
+                        method,
+                        args,
+                        reply,
+                    })
+                    .is_err()
+                {
                     return 6;
                 }
                 let result = match reply_rx.recv() {
@@ -522,7 +589,11 @@ fn worker_main(sock: OwnedFd) -> i32 {
                     HashMap::new()
                 });
                 if fds.len() != chans.len() {
-                    error = Some(format!("expected {} channel fds, got {}", chans.len(), fds.len()));
+                    error = Some(format!(
+                        "expected {} channel fds, got {}",
+                        chans.len(),
+                        fds.len()
+                    ));
                 }
                 for (id, fd) in chans.iter().zip(fds) {
                     match ShmChannel::open(fd) {
@@ -550,12 +621,18 @@ fn worker_main(sock: OwnedFd) -> i32 {
                     return 6;
                 }
                 let send = send.clone();
-                let _ = std::thread::Builder::new().name("adag-graph-events".into()).spawn(move || {
-                    let r = installed_rx.recv().unwrap_or_else(|_| Err("the actor thread stopped".into()));
-                    send(&FromWorker::Installed(r));
-                    let why = done_rx.recv().unwrap_or_else(|_| "the actor thread stopped".into());
-                    send(&FromWorker::GraphDone(why));
-                });
+                let _ = std::thread::Builder::new()
+                    .name("adag-graph-events".into())
+                    .spawn(move || {
+                        let r = installed_rx
+                            .recv()
+                            .unwrap_or_else(|_| Err("the actor thread stopped".into()));
+                        send(&FromWorker::Installed(r));
+                        let why = done_rx
+                            .recv()
+                            .unwrap_or_else(|_| "the actor thread stopped".into());
+                        send(&FromWorker::GraphDone(why));
+                    });
             }
         }
     }

@@ -5,14 +5,14 @@
 use super::shm::{RingError, ShmChannel, ShmReader, ShmWriter};
 use crate::compile::plan::{GraphPlan, Loc};
 use crate::value::Value;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 use std::time::Instant;
 
 /// A failed task, carried in place of a value to every downstream reader.
@@ -67,11 +67,37 @@ impl From<RingError> for ChanError {
 const TAG_VALUE: u8 = 0;
 const TAG_ERROR: u8 = 1;
 
-fn encode_into<T: Serialize>(value: &T, buf: &mut [u8]) -> Result<usize, usize> {
-    match postcard::to_slice(value, buf) {
-        Ok(used) => Ok(used.len()),
-        Err(_) => Err(postcard::experimental::serialized_size(value).unwrap_or(buf.len() * 2 + 64)),
+/// Encode `value` straight into a slot of `shm`, growing the channel when the slot is too
+/// small, and telling that apart from a value that cannot be encoded at all.
+fn write_encoded<T: Serialize>(
+    shm: &mut ShmWriter,
+    tag: u8,
+    value: &T,
+    deadline: Option<Instant>,
+) -> Result<(), ChanError> {
+    let mut failure: Option<String> = None;
+    let written = shm.write(
+        tag,
+        &mut |buf: &mut [u8]| match postcard::to_slice(value, buf) {
+            Ok(used) => Ok(used.len()),
+            Err(postcard::Error::SerializeBufferFull) => {
+                Err(postcard::experimental::serialized_size(value).unwrap_or(buf.len() * 2 + 64))
+            }
+            Err(e) => {
+                failure = Some(e.to_string());
+                // Over any ceiling: the writer gives up at once, without growing.
+                Err(usize::MAX)
+            }
+        },
+        deadline,
+    );
+    if let Some(e) = failure {
+        return Err(ChanError::Codec(format!(
+            "cannot encode a value of type {}: {e}",
+            std::any::type_name::<T>()
+        )));
     }
+    Ok(written?)
 }
 
 /// The writing end of an edge.
@@ -84,22 +110,30 @@ pub(crate) struct EdgeWriter<T> {
 impl<T: Value> EdgeWriter<T> {
     /// Write a value the caller keeps: encoded by reference when no reader in this process
     /// needs its own copy (no clone of a large input for shared-memory readers).
-    pub(crate) fn write_ref(&mut self, value: &T, deadline: Option<Instant>) -> Result<(), ChanError> {
+    pub(crate) fn write_ref(
+        &mut self,
+        value: &T,
+        deadline: Option<Instant>,
+    ) -> Result<(), ChanError> {
         if !self.local.is_empty() {
             return self.write(Msg::Value(value.clone()), deadline);
         }
         match &mut self.shm {
-            Some(shm) => Ok(shm.write(TAG_VALUE, &mut |b: &mut [u8]| encode_into(value, b), deadline)?),
+            Some(shm) => write_encoded(shm, TAG_VALUE, value, deadline),
             None => Ok(()),
         }
     }
 
-    pub(crate) fn write(&mut self, msg: Msg<T>, deadline: Option<Instant>) -> Result<(), ChanError> {
+    pub(crate) fn write(
+        &mut self,
+        msg: Msg<T>,
+        deadline: Option<Instant>,
+    ) -> Result<(), ChanError> {
         if let Some(shm) = &mut self.shm {
             // Encoded straight into the slot: no allocation per message.
             match &msg {
-                Msg::Value(v) => shm.write(TAG_VALUE, &mut |b: &mut [u8]| encode_into(v, b), deadline)?,
-                Msg::Error(e) => shm.write(TAG_ERROR, &mut |b: &mut [u8]| encode_into(&**e, b), deadline)?,
+                Msg::Value(v) => write_encoded(shm, TAG_VALUE, v, deadline)?,
+                Msg::Error(e) => write_encoded(shm, TAG_ERROR, &**e, deadline)?,
             }
         }
         let Some((last, rest)) = self.local.split_last() else {
@@ -121,7 +155,12 @@ fn poll_deadline(deadline: Option<Instant>) -> Instant {
     deadline.map_or(tick, |d| d.min(tick))
 }
 
-fn send<T>(sender: &Sender<Msg<T>>, closed: &AtomicBool, mut msg: Msg<T>, deadline: Option<Instant>) -> Result<(), ChanError> {
+fn send<T>(
+    sender: &Sender<Msg<T>>,
+    closed: &AtomicBool,
+    mut msg: Msg<T>,
+    deadline: Option<Instant>,
+) -> Result<(), ChanError> {
     loop {
         if closed.load(Ordering::Acquire) {
             return Err(ChanError::Closed);
@@ -143,7 +182,11 @@ fn send<T>(sender: &Sender<Msg<T>>, closed: &AtomicBool, mut msg: Msg<T>, deadli
 /// thread woken from the other core costs ~80 µs here, a spin hand-off well under 1 µs.
 const LOCAL_SPIN: Duration = Duration::from_micros(50);
 
-fn recv<T>(rx: &Receiver<Msg<T>>, closed: &AtomicBool, deadline: Option<Instant>) -> Result<Msg<T>, ChanError> {
+fn recv<T>(
+    rx: &Receiver<Msg<T>>,
+    closed: &AtomicBool,
+    deadline: Option<Instant>,
+) -> Result<Msg<T>, ChanError> {
     let backoff = crossbeam_utils::Backoff::new();
     let mut spin_start: Option<Instant> = None;
     loop {
@@ -192,7 +235,8 @@ impl<T: Value> EdgeReader<T> {
                 let frame = reader.read(deadline)?;
                 let decoded = match frame.tag {
                     TAG_VALUE => postcard::from_bytes::<T>(frame.data()).map(Msg::Value),
-                    _ => postcard::from_bytes::<TaskError>(frame.data()).map(|e| Msg::Error(Arc::new(e))),
+                    _ => postcard::from_bytes::<TaskError>(frame.data())
+                        .map(|e| Msg::Error(Arc::new(e))),
                 };
                 decoded.map_err(|e| {
                     ChanError::Codec(format!(
@@ -219,7 +263,13 @@ struct LocalChan<T> {
 }
 
 impl LocalHub {
-    fn with<T: Value, R>(&self, edge: u64, readers: usize, depth: usize, f: impl FnOnce(&mut LocalChan<T>) -> R) -> Option<R> {
+    fn with<T: Value, R>(
+        &self,
+        edge: u64,
+        readers: usize,
+        depth: usize,
+        f: impl FnOnce(&mut LocalChan<T>) -> R,
+    ) -> Option<R> {
         let mut chans = self.chans.lock();
         let entry = chans.entry(edge).or_insert_with(|| {
             let (senders, receivers) = (0..readers)
@@ -236,13 +286,27 @@ impl LocalHub {
         entry.downcast_mut::<LocalChan<T>>().map(f)
     }
 
-    pub(crate) fn senders<T: Value>(&self, edge: u64, readers: usize, depth: usize) -> Option<Vec<Sender<Msg<T>>>> {
-        self.with::<T, _>(edge, readers, depth, |c| c.senders.take()).flatten()
+    pub(crate) fn senders<T: Value>(
+        &self,
+        edge: u64,
+        readers: usize,
+        depth: usize,
+    ) -> Option<Vec<Sender<Msg<T>>>> {
+        self.with::<T, _>(edge, readers, depth, |c| c.senders.take())
+            .flatten()
     }
 
-    pub(crate) fn receiver<T: Value>(&self, edge: u64, index: usize, readers: usize, depth: usize) -> Option<Receiver<Msg<T>>> {
-        self.with::<T, _>(edge, readers, depth, |c| c.receivers.get_mut(index).and_then(Option::take))
-            .flatten()
+    pub(crate) fn receiver<T: Value>(
+        &self,
+        edge: u64,
+        index: usize,
+        readers: usize,
+        depth: usize,
+    ) -> Option<Receiver<Msg<T>>> {
+        self.with::<T, _>(edge, readers, depth, |c| {
+            c.receivers.get_mut(index).and_then(Option::take)
+        })
+        .flatten()
     }
 
     /// Drop every end nobody took (a reader or writer that failed to install), so that
@@ -269,16 +333,31 @@ impl ProcChannels {
     }
 
     /// The writing end of `edge` for the endpoint `me`.
-    pub(crate) fn writer<T: Value>(&self, plan: &GraphPlan, edge: u64, me: Loc) -> Result<EdgeWriter<T>, String> {
+    pub(crate) fn writer<T: Value>(
+        &self,
+        plan: &GraphPlan,
+        edge: u64,
+        me: Loc,
+    ) -> Result<EdgeWriter<T>, String> {
         let e = plan.edge(edge)?;
         if e.writer != me {
             return Err(format!("{me:?} does not write edge {}", e.label));
         }
-        self.local_writer::<T>(edge, e.local_readers.len(), e.shm.as_ref().map(|s| s.chan), plan.depth)
+        self.local_writer::<T>(
+            edge,
+            e.local_readers.len(),
+            e.shm.as_ref().map(|s| s.chan),
+            plan.depth,
+        )
     }
 
     /// The reading end of `edge` for the endpoint `me`.
-    pub(crate) fn reader<T: Value>(&self, plan: &GraphPlan, edge: u64, me: Loc) -> Result<EdgeReader<T>, String> {
+    pub(crate) fn reader<T: Value>(
+        &self,
+        plan: &GraphPlan,
+        edge: u64,
+        me: Loc,
+    ) -> Result<EdgeReader<T>, String> {
         let e = plan.edge(edge)?;
         if let Some(k) = e.local_readers.iter().position(|l| *l == me) {
             return self.local_reader::<T>(edge, k, e.local_readers.len(), plan.depth);
@@ -310,7 +389,9 @@ impl ProcChannels {
             Some(chan) => Some(
                 self.shm
                     .get(&chan)
-                    .ok_or_else(|| format!("edge {edge}: shared-memory channel {chan} is not mapped here"))?
+                    .ok_or_else(|| {
+                        format!("edge {edge}: shared-memory channel {chan} is not mapped here")
+                    })?
                     .writer(),
             ),
         };
@@ -321,19 +402,32 @@ impl ProcChannels {
         })
     }
 
-    pub(crate) fn local_reader<T: Value>(&self, edge: u64, index: usize, readers: usize, depth: usize) -> Result<EdgeReader<T>, String> {
+    pub(crate) fn local_reader<T: Value>(
+        &self,
+        edge: u64,
+        index: usize,
+        readers: usize,
+        depth: usize,
+    ) -> Result<EdgeReader<T>, String> {
         self.local
             .receiver::<T>(edge, index, readers, depth)
             .map(|rx| EdgeReader::Local(rx, self.closed.clone()))
             .ok_or_else(|| format!("edge {edge}: reader {index} already taken or type mismatch"))
     }
 
-    pub(crate) fn shm_reader<T: Value>(&self, edge: u64, chan: u64, index: usize) -> Result<EdgeReader<T>, String> {
-        let ch = self
-            .shm
-            .get(&chan)
-            .ok_or_else(|| format!("edge {edge}: shared-memory channel {chan} is not mapped here"))?;
-        Ok(EdgeReader::Shm(ch.reader(index as u32), std::marker::PhantomData))
+    pub(crate) fn shm_reader<T: Value>(
+        &self,
+        edge: u64,
+        chan: u64,
+        index: usize,
+    ) -> Result<EdgeReader<T>, String> {
+        let ch = self.shm.get(&chan).ok_or_else(|| {
+            format!("edge {edge}: shared-memory channel {chan} is not mapped here")
+        })?;
+        Ok(EdgeReader::Shm(
+            ch.reader(index as u32),
+            std::marker::PhantomData,
+        ))
     }
 
     /// Close every shared-memory channel mapped here (teardown, death of a peer).

@@ -137,6 +137,41 @@ fn extra_trailing_bytes_are_not_detected() {
     assert!(matches!(r.read(soon()), Ok(Msg::Value(7))));
 }
 
+/// A value whose `Serialize` fails (a custom impl, a `RefCell` already borrowed, a type that
+/// only serializes in some states).
+#[derive(Clone, Debug)]
+struct Unserializable;
+
+impl Serialize for Unserializable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom(
+            "Unserializable refuses to be serialized",
+        ))
+    }
+}
+
+impl<'de> Deserialize<'de> for Unserializable {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <()>::deserialize(d).map(|()| Unserializable)
+    }
+}
+
+#[test]
+fn a_value_that_fails_to_encode_is_a_codec_error() {
+    let pc = chans(4);
+    let mut w = pc
+        .local_writer::<Unserializable>(EDGE, 0, Some(CHAN), 4)
+        .expect("writer");
+    match w.write(Msg::Value(Unserializable), soon()) {
+        // postcard keeps no custom serializer message; the error names the type instead.
+        Err(ChanError::Codec(text)) => assert!(
+            text.contains("cannot encode") && text.contains("Unserializable"),
+            "{text}"
+        ),
+        other => panic!("expected ChanError::Codec, got {other:?}"),
+    }
+}
+
 /// Writes `bytes` as one frame of kind `tag`, bypassing the typed encoder.
 fn write_raw(pc: &ProcChannels, w: &mut super::shm::ShmWriter, tag: u8, bytes: &[u8]) {
     let _ = pc;

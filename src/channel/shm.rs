@@ -302,7 +302,11 @@ impl ShmChannel {
         shared.populate(0, layout.payload_start, true)?;
         let per_slot = layout.initial_stride.min(PREFAULT_PER_SLOT);
         for slot in 0..cfg.depth as usize {
-            shared.populate(layout.payload_start + slot * layout.initial_stride, per_slot, true)?;
+            shared.populate(
+                layout.payload_start + slot * layout.initial_stride,
+                per_slot,
+                true,
+            )?;
         }
         let header = shared.header();
         header.version.store(VERSION, Ordering::Relaxed);

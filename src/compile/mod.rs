@@ -11,8 +11,8 @@ mod options;
 pub(crate) mod plan;
 pub(crate) mod schedule;
 pub use comms::CommunicatorInfo;
-pub use options::{CompileOptions, DefaultCommunicator};
 pub(crate) use options::deadline_after;
+pub use options::{CompileOptions, DefaultCommunicator};
 
 /// A validated graph with its plan.
 pub(crate) struct Planned {
@@ -35,13 +35,24 @@ fn method_label(node: &NodeInner) -> String {
 
 /// Validate the graph reached from `outputs` and plan it. Claims every actor for the graph;
 /// the caller releases them if anything later fails.
-pub(crate) fn plan(dag: &Arc<DagInner>, outputs: &[Arc<NodeInner>], opts: &CompileOptions, graph: u64) -> Result<Planned> {
+pub(crate) fn plan(
+    dag: &Arc<DagInner>,
+    outputs: &[Arc<NodeInner>],
+    opts: &CompileOptions,
+    graph: u64,
+) -> Result<Planned> {
     let depth = opts.max_inflight_executions;
     if outputs.is_empty() {
-        return Err(Error::compile("outputs", "no output was given; pass a node, a tuple or a Vec of nodes"));
+        return Err(Error::compile(
+            "outputs",
+            "no output was given; pass a node, a tuple or a Vec of nodes",
+        ));
     }
     if depth == 0 {
-        return Err(Error::compile("options", "max_inflight_executions must be at least 1"));
+        return Err(Error::compile(
+            "options",
+            "max_inflight_executions must be at least 1",
+        ));
     }
     // Every node reachable from the outputs.
     let mut nodes: BTreeMap<u64, Arc<NodeInner>> = BTreeMap::new();
@@ -61,7 +72,10 @@ pub(crate) fn plan(dag: &Arc<DagInner>, outputs: &[Arc<NodeInner>], opts: &Compi
     }
     let input = dag.input.lock().clone();
     let Some(_) = input else {
-        return Err(Error::compile("input", "the graph has no input node; call dag.input() and bind it to a task"));
+        return Err(Error::compile(
+            "input",
+            "the graph has no input node; call dag.input() and bind it to a task",
+        ));
     };
     for out in outputs {
         if let NodeKind::Input(_) = out.kind {
@@ -72,7 +86,10 @@ pub(crate) fn plan(dag: &Arc<DagInner>, outputs: &[Arc<NodeInner>], opts: &Compi
         }
     }
     if !nodes.values().any(|n| matches!(n.kind, NodeKind::Input(_))) {
-        return Err(Error::compile("input", "the input node is not used by any task; bind it (or its parts) to a task"));
+        return Err(Error::compile(
+            "input",
+            "the input node is not used by any task; bind it (or its parts) to a task",
+        ));
     }
     // Nodes created in this graph that no output depends on (Ray's leaf nodes).
     for weak in dag.nodes.lock().iter() {
@@ -99,7 +116,12 @@ pub(crate) fn plan(dag: &Arc<DagInner>, outputs: &[Arc<NodeInner>], opts: &Compi
     let actors = claim_actors(&nodes, graph)?;
     let result = build_plan(&nodes, outputs, opts, graph);
     match result {
-        Ok((plan, comm)) => Ok(Planned { plan, nodes, actors, comm }),
+        Ok((plan, comm)) => Ok(Planned {
+            plan,
+            nodes,
+            actors,
+            comm,
+        }),
         Err(e) => {
             release_actors(&actors, graph);
             Err(e)
@@ -133,7 +155,12 @@ fn check_collective(n: &Arc<NodeInner>, nodes: &BTreeMap<u64, Arc<NodeInner>>) -
 }
 
 fn check_node(dag: &Arc<DagInner>, n: &Arc<NodeInner>) -> Result<()> {
-    if let NodeKind::Method { actor, method, args } = &n.kind {
+    if let NodeKind::Method {
+        actor,
+        method,
+        args,
+    } = &n.kind
+    {
         if !args.iter().any(|a| matches!(a.0, ArgInner::Node(_))) {
             return Err(Error::compile(
                 n.describe(),
@@ -181,30 +208,46 @@ fn check_node(dag: &Arc<DagInner>, n: &Arc<NodeInner>) -> Result<()> {
         if sig.ret != n.ty {
             return Err(Error::compile(
                 n.describe(),
-                format!("`{method}` returns {} but the node was typed {}", sig.ret.name(), n.ty.name()),
+                format!(
+                    "`{method}` returns {} but the node was typed {}",
+                    sig.ret.name(),
+                    n.ty.name()
+                ),
             ));
         }
         for a in args {
             if let ArgInner::Const(c) = &a.0
                 && let Err(e) = &c.bytes
             {
-                return Err(Error::compile(n.describe(), format!("a constant argument cannot be encoded: {e}")));
+                return Err(Error::compile(
+                    n.describe(),
+                    format!("a constant argument cannot be encoded: {e}"),
+                ));
             }
         }
     }
     if let Some(other) = n.foreign {
         return Err(Error::compile(
             n.describe(),
-            format!("this node mixes nodes of graph #{} and graph #{other}; build each graph from its own input", dag.id),
+            format!(
+                "this node mixes nodes of graph #{} and graph #{other}; build each graph from its own input",
+                dag.id
+            ),
         ));
     }
     match &n.dag {
         Some(d) if d.id == dag.id => Ok(()),
         Some(d) => Err(Error::compile(
             n.describe(),
-            format!("this node belongs to graph #{}, not to graph #{} being compiled; compile it with its own Dag", d.id, dag.id),
+            format!(
+                "this node belongs to graph #{}, not to graph #{} being compiled; compile it with its own Dag",
+                d.id, dag.id
+            ),
         )),
-        None => Err(Error::compile(n.describe(), "this node belongs to no graph")),
+        None => Err(Error::compile(
+            n.describe(),
+            "this node belongs to no graph",
+        )),
     }
 }
 
@@ -261,7 +304,8 @@ fn build_plan(
         .filter_map(|n| n.actor().map(|a| (a.id(), a.clone())))
         .collect();
     // Readers of each edge.
-    let mut readers: BTreeMap<u64, BTreeSet<Loc>> = nodes.keys().map(|id| (*id, BTreeSet::new())).collect();
+    let mut readers: BTreeMap<u64, BTreeSet<Loc>> =
+        nodes.keys().map(|id| (*id, BTreeSet::new())).collect();
     for n in nodes.values() {
         for up in n.upstream() {
             readers.entry(up.id).or_default().insert(loc_of(n));
@@ -332,13 +376,18 @@ fn build_plan(
                     .iter()
                     .map(|a| match &a.0 {
                         ArgInner::Node(up) => ArgSource::Edge(up.id),
-                        ArgInner::Const(c) => ArgSource::Const(c.bytes.as_deref().unwrap_or_default().to_vec()),
+                        ArgInner::Const(c) => {
+                            ArgSource::Const(c.bytes.as_deref().unwrap_or_default().to_vec())
+                        }
                     })
                     .collect(),
             }),
             NodeKind::Split { source, index } => {
                 let NodeKind::Method { method, .. } = &source.kind else {
-                    return Err(Error::compile(n.describe(), "only the result of a method can be split"));
+                    return Err(Error::compile(
+                        n.describe(),
+                        "only the result of a method can be split",
+                    ));
                 };
                 ops.push(OpSpec::Split {
                     node: *id,
@@ -347,11 +396,17 @@ fn build_plan(
                     index: *index,
                 })
             }
-            NodeKind::Collective { input, group, index } => {
-                let c = comm
-                    .collectives
-                    .get(&group.id)
-                    .ok_or_else(|| Error::compile(n.describe(), "this collective has no communicator group (a bug)"))?;
+            NodeKind::Collective {
+                input,
+                group,
+                index,
+            } => {
+                let c = comm.collectives.get(&group.id).ok_or_else(|| {
+                    Error::compile(
+                        n.describe(),
+                        "this collective has no communicator group (a bug)",
+                    )
+                })?;
                 ops.push(OpSpec::Collective {
                     node: *id,
                     input: input.id,

@@ -112,7 +112,9 @@ impl OpSpec {
     /// The stage of a communicator operation, `None` for the others.
     pub(crate) fn comm_stage(&self) -> Option<Stage> {
         match self {
-            OpSpec::Recv { stage, .. } | OpSpec::Send { stage, .. } | OpSpec::Collective { stage, .. } => Some(*stage),
+            OpSpec::Recv { stage, .. }
+            | OpSpec::Send { stage, .. }
+            | OpSpec::Collective { stage, .. } => Some(*stage),
             _ => None,
         }
     }

@@ -74,11 +74,20 @@ impl<I: Value> InputNode<I> {
             .expect("an input node always belongs to its graph")
     }
 
-    fn part<T: Value>(&self, key: InputKind, f: impl Fn(&I) -> T + Send + Sync + 'static) -> Node<T> {
+    fn part<T: Value>(
+        &self,
+        key: InputKind,
+        f: impl Fn(&I) -> T + Send + Sync + 'static,
+    ) -> Node<T> {
         let dag = self.dag();
-        let existing = dag.nodes.lock().iter().filter_map(|w| w.upgrade()).find(|n| {
-            matches!(&n.kind, NodeKind::Input(k) if *k == key) && n.ty == TypeTag::of::<T>()
-        });
+        let existing = dag
+            .nodes
+            .lock()
+            .iter()
+            .filter_map(|w| w.upgrade())
+            .find(|n| {
+                matches!(&n.kind, NodeKind::Input(k) if *k == key) && n.ty == TypeTag::of::<T>()
+            });
         if let Some(n) = existing {
             return Node::from_inner(n);
         }
@@ -112,7 +121,12 @@ impl<I: Value> InputNode<I> {
 
 /// How the driver writes one input channel from the whole input value.
 pub(crate) trait InputFeed<I>: Send + Sync {
-    fn feeder(&self, io: &DriverIo, plan: &GraphPlan, edge: u64) -> crate::Result<Box<dyn Feeder<I>>>;
+    fn feeder(
+        &self,
+        io: &DriverIo,
+        plan: &GraphPlan,
+        edge: u64,
+    ) -> crate::Result<Box<dyn Feeder<I>>>;
 }
 
 /// Writes one part of each execution's input.
@@ -138,7 +152,12 @@ pub(crate) fn whole_feed<I: Value>() -> Box<dyn Any + Send + Sync> {
 }
 
 impl<I: Value> InputFeed<I> for WholeFeed {
-    fn feeder(&self, io: &DriverIo, plan: &GraphPlan, edge: u64) -> crate::Result<Box<dyn Feeder<I>>> {
+    fn feeder(
+        &self,
+        io: &DriverIo,
+        plan: &GraphPlan,
+        edge: u64,
+    ) -> crate::Result<Box<dyn Feeder<I>>> {
         Ok(Box::new(WholeFeeder(io.writer::<I>(plan, edge)?)))
     }
 }
@@ -152,7 +171,12 @@ impl<I: Value> Feeder<I> for WholeFeeder<I> {
 }
 
 impl<I: Value, T: Value> InputFeed<I> for Feed<I, T> {
-    fn feeder(&self, io: &DriverIo, plan: &GraphPlan, edge: u64) -> crate::Result<Box<dyn Feeder<I>>> {
+    fn feeder(
+        &self,
+        io: &DriverIo,
+        plan: &GraphPlan,
+        edge: u64,
+    ) -> crate::Result<Box<dyn Feeder<I>>> {
         let writer = io.writer::<T>(plan, edge)?;
         Ok(Box::new(PartFeeder {
             access: self.0.clone(),
@@ -168,6 +192,7 @@ struct PartFeeder<I, T> {
 
 impl<I: Value, T: Value> Feeder<I> for PartFeeder<I, T> {
     fn feed(&mut self, input: &I, deadline: Option<Instant>) -> Result<(), ChanError> {
-        self.writer.write(Msg::Value((self.access)(input)), deadline)
+        self.writer
+            .write(Msg::Value((self.access)(input)), deadline)
     }
 }

@@ -257,7 +257,12 @@ pub struct AnyNode {
 
 impl fmt::Debug for AnyNode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "AnyNode({}: {})", self.inner.describe(), self.inner.ty.name)
+        write!(
+            f,
+            "AnyNode({}: {})",
+            self.inner.describe(),
+            self.inner.ty.name
+        )
     }
 }
 
@@ -339,9 +344,7 @@ impl<T: Value> From<T> for Arg<T> {
         Arg {
             inner: ArgInner::Const(ConstArg {
                 ty: TypeTag::of::<T>(),
-                bytes: encode(&value)
-                    .map(Into::into)
-                    .map_err(|e| e.to_string()),
+                bytes: encode(&value).map(Into::into).map_err(|e| e.to_string()),
             }),
             _t: PhantomData,
         }

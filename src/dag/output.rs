@@ -30,11 +30,16 @@ impl<T: Value> IntoOutputs for Node<T> {
 impl<T: Value> IntoOutputs for Vec<Node<T>> {
     type Refs = Vec<CompiledRef<T>>;
     fn output_specs(&self) -> Vec<OutputSpec> {
-        self.iter().map(|n| OutputSpec::of::<T>(n.erase())).collect()
+        self.iter()
+            .map(|n| OutputSpec::of::<T>(n.erase()))
+            .collect()
     }
     fn make_refs(&self, token: &ExecToken, first: usize) -> (Self::Refs, usize) {
         let end = first + self.len();
-        ((first..end).map(|i| CompiledRef::new(token, i)).collect(), end)
+        (
+            (first..end).map(|i| CompiledRef::new(token, i)).collect(),
+            end,
+        )
     }
 }
 
@@ -73,4 +78,3 @@ tuple_outputs!(A 0, B 1, C 2, D 3, E 4);
 tuple_outputs!(A 0, B 1, C 2, D 3, E 4, F 5);
 tuple_outputs!(A 0, B 1, C 2, D 3, E 4, F 5, G 6);
 tuple_outputs!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7);
-

@@ -1,8 +1,8 @@
 //! Execution: the compiled graph, `execute`, refs, the result buffer, capacity accounting,
 //! teardown and the death of an actor.
 use crate::actor::HandleCore;
-use crate::actor::worker::DeathSink;
 use crate::actor::host::{ActorLink, Control, RunRequest};
+use crate::actor::worker::DeathSink;
 use crate::channel::endpoint::{ChanError, EdgeReader, EdgeWriter, ProcChannels};
 use crate::channel::shm::{ShmChannel, ShmConfig};
 use crate::compile::plan::{GraphPlan, Loc};
@@ -13,12 +13,12 @@ use crate::error::{Capacity, Error, Result};
 use crate::value::Value;
 use crossbeam_channel::Receiver;
 use parking_lot::{Condvar, Mutex};
-use std::task::{Context, Poll, Waker};
 use std::any::Any;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 mod pump;
@@ -47,15 +47,25 @@ impl DriverIo {
 
 /// Reads one output edge and hands one copy of each value to every output that names it.
 pub(crate) trait OutputReader: Send {
-    fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<Vec<Box<dyn Any + Send>>, ChanError>;
+    fn read(
+        &mut self,
+        copies: usize,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Box<dyn Any + Send>>, ChanError>;
 }
 
 struct TypedOutput<T>(EdgeReader<T>);
 
 impl<T: Value> OutputReader for TypedOutput<T> {
-    fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<Vec<Box<dyn Any + Send>>, ChanError> {
+    fn read(
+        &mut self,
+        copies: usize,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Box<dyn Any + Send>>, ChanError> {
         let msg = self.0.read(deadline)?;
-        let mut out: Vec<Box<dyn Any + Send>> = (1..copies).map(|_| Box::new(msg.clone()) as Box<dyn Any + Send>).collect();
+        let mut out: Vec<Box<dyn Any + Send>> = (1..copies)
+            .map(|_| Box::new(msg.clone()) as Box<dyn Any + Send>)
+            .collect();
         out.push(Box::new(msg));
         Ok(out)
     }
@@ -111,8 +121,18 @@ pub(crate) struct ResultState {
 
 /// What refs see of their graph.
 pub(crate) trait RefOwner: Send + Sync {
-    fn fetch(&self, exec: u64, output: usize, timeout: Option<Duration>) -> Result<Box<dyn Any + Send>>;
-    fn poll_fetch(&self, exec: u64, output: usize, cx: &mut Context<'_>) -> Poll<Result<Box<dyn Any + Send>>>;
+    fn fetch(
+        &self,
+        exec: u64,
+        output: usize,
+        timeout: Option<Duration>,
+    ) -> Result<Box<dyn Any + Send>>;
+    fn poll_fetch(
+        &self,
+        exec: u64,
+        output: usize,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Box<dyn Any + Send>>>;
     fn release(&self, exec: u64, output: usize);
     fn describe_output(&self, output: usize) -> String;
 }
@@ -168,15 +188,28 @@ pub struct CompiledGraph<I: Value, O: IntoOutputs> {
     _o: PhantomData<fn() -> O>,
 }
 
-fn chan_error(shared_death: Option<Error>, torn_reason: Option<String>, e: ChanError, what: impl FnOnce() -> String, timeout: Duration, hint: &str) -> Error {
+fn chan_error(
+    shared_death: Option<Error>,
+    torn_reason: Option<String>,
+    e: ChanError,
+    what: impl FnOnce() -> String,
+    timeout: Duration,
+    hint: &str,
+) -> Error {
     match e {
-        ChanError::Closed => shared_death.unwrap_or(Error::TornDown { reason: torn_reason }),
+        ChanError::Closed => shared_death.unwrap_or(Error::TornDown {
+            reason: torn_reason,
+        }),
         ChanError::Timeout => Error::Timeout {
             what: what(),
             timeout,
             hint: hint.to_string(),
         },
-        ChanError::TooLarge { size, limit } => Error::MessageTooLarge { edge: what(), size, limit },
+        ChanError::TooLarge { size, limit } => Error::MessageTooLarge {
+            edge: what(),
+            size,
+            limit,
+        },
         ChanError::Codec(message) => Error::Codec {
             op: "decode",
             ty: "value".into(),
@@ -190,7 +223,11 @@ impl<I: Value> crate::dag::Dag<I> {
     /// Compile the graph that computes `outputs` (a node, a tuple of nodes or a `Vec` of
     /// nodes). Validates the graph, plans one channel per edge, installs every actor's
     /// schedule and returns the graph ready to execute.
-    pub fn compile<O: IntoOutputs>(&self, outputs: O, opts: CompileOptions) -> Result<CompiledGraph<I, O>> {
+    pub fn compile<O: IntoOutputs>(
+        &self,
+        outputs: O,
+        opts: CompileOptions,
+    ) -> Result<CompiledGraph<I, O>> {
         let specs = outputs.output_specs();
         let nodes: Vec<_> = specs.iter().map(|s| s.node.inner.clone()).collect();
         let graph = crate::dag::next_graph_id();
@@ -210,8 +247,17 @@ impl<I: Value> crate::dag::Dag<I> {
     }
 }
 
-fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOptions) -> Result<Arc<GraphShared<I>>> {
-    let Planned { plan, nodes, actors, comm } = planned;
+fn start<I: Value>(
+    planned: Planned,
+    specs: Vec<OutputSpec>,
+    opts: CompileOptions,
+) -> Result<Arc<GraphShared<I>>> {
+    let Planned {
+        plan,
+        nodes,
+        actors,
+        comm,
+    } = planned;
     let plan = Arc::new(plan);
     // Communicator groups: made (or taken from the user) before any actor installs.
     let comms = crate::compile::comms::CommSetup::start(comm, plan.graph)?;
@@ -226,12 +272,19 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
                 spin: opts.spin,
             };
             let ch = ShmChannel::create(&cfg, &format!("adag-g{}-e{}", plan.graph, edge.id))
-                .map_err(|e| Error::io(format!("creating the shared-memory channel of {}", edge.label), e))?;
+                .map_err(|e| {
+                    Error::io(
+                        format!("creating the shared-memory channel of {}", edge.label),
+                        e,
+                    )
+                })?;
             shm.insert(s.chan, ch);
         }
     }
     let chans = Arc::new(ProcChannels::new(shm));
-    let io = DriverIo { chans: chans.clone() };
+    let io = DriverIo {
+        chans: chans.clone(),
+    };
     // Actors first: they take their ends of the channels.
     let mut done = Vec::new();
     let mut installing = Vec::new();
@@ -250,9 +303,16 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
                     }))
                     .map_err(|_| Error::compile(actor.name(), "the actor's thread has stopped"))
             }),
-            ActorLink::Process(link) => comms
-                .tickets(actor)
-                .and_then(|tickets| link.install(actor.id(), plan.clone(), &chans, installed, done_tx, tickets)),
+            ActorLink::Process(link) => comms.tickets(actor).and_then(|tickets| {
+                link.install(
+                    actor.id(),
+                    plan.clone(),
+                    &chans,
+                    installed,
+                    done_tx,
+                    tickets,
+                )
+            }),
         };
         if let Err(e) = sent {
             // The actors already started wake and stop.
@@ -273,7 +333,12 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
         let name = actor.name();
         match rx.recv_deadline(install_deadline) {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(fail(Error::compile(name, format!("installing the schedule failed: {e}")))),
+            Ok(Err(e)) => {
+                return Err(fail(Error::compile(
+                    name,
+                    format!("installing the schedule failed: {e}"),
+                )));
+            }
             // The actor's end was dropped: a worker that died (its monitor drops every waiter)
             // is reported as such, not as a slow install.
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
@@ -281,10 +346,15 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
                     ActorLink::Process(link) => link.death_within(Duration::from_millis(500)),
                     ActorLink::Thread(_) => None,
                 };
-                return Err(fail(died.unwrap_or_else(|| Error::compile(name, "the actor stopped before it installed its schedule"))));
+                return Err(fail(died.unwrap_or_else(|| {
+                    Error::compile(name, "the actor stopped before it installed its schedule")
+                })));
             }
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                return Err(fail(Error::compile(name, "the actor did not install its schedule within 30 s")));
+                return Err(fail(Error::compile(
+                    name,
+                    "the actor did not install its schedule within 30 s",
+                )));
             }
         }
     }
@@ -295,7 +365,12 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
             .feed
             .as_ref()
             .and_then(|f| f.downcast_ref::<Arc<dyn InputFeed<I>>>())
-            .ok_or_else(|| fail(Error::compile(node.describe(), "input node of another input type")))?;
+            .ok_or_else(|| {
+                fail(Error::compile(
+                    node.describe(),
+                    "input node of another input type",
+                ))
+            })?;
         feeders.push(feed.feeder(&io, &plan, *edge).map_err(&fail)?);
     }
     let mut edges: Vec<OutputEdge> = Vec::new();
@@ -356,7 +431,9 @@ fn start<I: Value>(planned: Planned, specs: Vec<OutputSpec>, opts: CompileOption
         })?;
     }
     let sink: Arc<dyn DeathSink> = shared.clone();
-    crate::actor::worker::graphs().lock().insert(shared.id, Arc::downgrade(&sink));
+    crate::actor::worker::graphs()
+        .lock()
+        .insert(shared.id, Arc::downgrade(&sink));
     // A worker that died while the graph was being installed.
     for actor in &shared.actors {
         if let ActorLink::Process(link) = &actor.0.link
@@ -388,8 +465,21 @@ impl<I: Value> GraphShared<I> {
         }
     }
 
-    fn map_chan(&self, e: ChanError, what: impl FnOnce() -> String, timeout: Duration, hint: &str) -> Error {
-        chan_error(self.death.lock().clone(), self.torn_reason.lock().clone(), e, what, timeout, hint)
+    fn map_chan(
+        &self,
+        e: ChanError,
+        what: impl FnOnce() -> String,
+        timeout: Duration,
+        hint: &str,
+    ) -> Error {
+        chan_error(
+            self.death.lock().clone(),
+            self.torn_reason.lock().clone(),
+            e,
+            what,
+            timeout,
+            hint,
+        )
     }
 
     fn check_live(&self) -> Result<()> {
@@ -403,7 +493,13 @@ impl<I: Value> GraphShared<I> {
     /// Read the outputs of execution `next_read`, keeping what is read across timeouts.
     /// When that execution is `want.0`, returns output `want.1`; every other result read is
     /// buffered unless its ref was dropped.
-    fn read_next(&self, rs: &mut ReadState, deadline: Option<Instant>, timeout: Duration, want: Option<(u64, usize)>) -> Result<Option<Box<dyn Any + Send>>> {
+    fn read_next(
+        &self,
+        rs: &mut ReadState,
+        deadline: Option<Instant>,
+        timeout: Duration,
+        want: Option<(u64, usize)>,
+    ) -> Result<Option<Box<dyn Any + Send>>> {
         let n_outputs = self.output_labels.len();
         if rs.partial.is_empty() {
             rs.partial = (0..n_outputs).map(|_| None).collect();
@@ -434,7 +530,12 @@ impl<I: Value> GraphShared<I> {
 
     /// File one execution's results: drop those whose refs are gone, hand `want` back,
     /// buffer the rest and wake their futures.
-    fn store(&self, exec: u64, mut results: Results, want: Option<(u64, usize)>) -> Option<Box<dyn Any + Send>> {
+    fn store(
+        &self,
+        exec: u64,
+        mut results: Results,
+        want: Option<(u64, usize)>,
+    ) -> Option<Box<dyn Any + Send>> {
         let mut r = self.results.lock();
         self.next_read.store(exec + 1, Ordering::Release);
         for (out, v) in results.iter_mut().enumerate() {
@@ -446,7 +547,9 @@ impl<I: Value> GraphShared<I> {
             Some((e, out)) if e == exec => results[out].take(),
             _ => None,
         };
-        let wake: Vec<Waker> = (0..results.len()).filter_map(|o| r.wakers.remove(&(exec, o))).collect();
+        let wake: Vec<Waker> = (0..results.len())
+            .filter_map(|o| r.wakers.remove(&(exec, o)))
+            .collect();
         if results.iter().any(Option::is_some) {
             r.buffer.insert(exec, results);
         }
@@ -495,7 +598,9 @@ impl<I: Value> GraphShared<I> {
             && self.in_flight() >= limit
             && let Some(mut rs) = self.reader.try_lock()
         {
-            while self.in_flight() >= limit && self.all_dropped(self.next_read.load(Ordering::Acquire)) {
+            while self.in_flight() >= limit
+                && self.all_dropped(self.next_read.load(Ordering::Acquire))
+            {
                 self.read_next(&mut rs, deadline, self.opts.submit_timeout, None)?;
             }
         }
@@ -517,11 +622,18 @@ impl<I: Value> GraphShared<I> {
         }
         if let Err(e) = result {
             let label = || format!("room in the input channels of execution {exec}");
-            let err = self.map_chan(e, label, self.opts.submit_timeout, "raise CompileOptions::submit_timeout, or get results to make room");
+            let err = self.map_chan(
+                e,
+                label,
+                self.opts.submit_timeout,
+                "raise CompileOptions::submit_timeout, or get results to make room",
+            );
             if written > 0 {
                 // Part of this input went out: the channels are no longer in step.
                 drop(sub);
-                let _ = self.teardown_with(Some(format!("execution {exec} was only partly submitted: {err}")));
+                let _ = self.teardown_with(Some(format!(
+                    "execution {exec} was only partly submitted: {err}"
+                )));
             }
             return Err(err);
         }
@@ -594,7 +706,12 @@ impl<I: Value> GraphShared<I> {
                 ActorLink::Thread(_) => still_busy.push(actor.clone()),
             }
         }
-        let free: Vec<HandleCore> = self.actors.iter().filter(|a| !still_busy.iter().any(|b| b.same(a))).cloned().collect();
+        let free: Vec<HandleCore> = self
+            .actors
+            .iter()
+            .filter(|a| !still_busy.iter().any(|b| b.same(a)))
+            .cloned()
+            .collect();
         release_actors(&free, self.id);
         // A thread actor still inside a method cannot be stopped: it stays busy (one-off calls
         // and new graphs get `ActorBusy` instead of queueing for ever behind the method) until
@@ -607,10 +724,12 @@ impl<I: Value> GraphShared<I> {
             let (_, done) = stuck_done.swap_remove(at);
             let graph = self.id;
             let waiter = actor.clone();
-            let spawned = std::thread::Builder::new().name(format!("adag-release-{}", actor.name())).spawn(move || {
-                let _ = done.recv();
-                release_actors(std::slice::from_ref(&waiter), graph);
-            });
+            let spawned = std::thread::Builder::new()
+                .name(format!("adag-release-{}", actor.name()))
+                .spawn(move || {
+                    let _ = done.recv();
+                    release_actors(std::slice::from_ref(&waiter), graph);
+                });
             if spawned.is_err() {
                 release_actors(std::slice::from_ref(&actor), self.id);
             }
@@ -629,7 +748,12 @@ impl<I: Value> GraphShared<I> {
 }
 
 impl<I: Value> RefOwner for GraphShared<I> {
-    fn fetch(&self, exec: u64, output: usize, timeout: Option<Duration>) -> Result<Box<dyn Any + Send>> {
+    fn fetch(
+        &self,
+        exec: u64,
+        output: usize,
+        timeout: Option<Duration>,
+    ) -> Result<Box<dyn Any + Send>> {
         if self.opts.enable_asyncio {
             return Err(Error::WrongMode {
                 message: "this graph was compiled with enable_asyncio; await the ref instead of calling get".into(),
@@ -643,11 +767,14 @@ impl<I: Value> RefOwner for GraphShared<I> {
         let deadline = deadline_after(timeout);
         let mut rs = match deadline {
             None => self.reader.lock(),
-            Some(d) => self.reader.try_lock_until(d).ok_or_else(|| Error::Timeout {
-                what: format!("another get reading the results before execution {exec}"),
-                timeout,
-                hint: "raise the timeout; an earlier execution is slow".into(),
-            })?,
+            Some(d) => self
+                .reader
+                .try_lock_until(d)
+                .ok_or_else(|| Error::Timeout {
+                    what: format!("another get reading the results before execution {exec}"),
+                    timeout,
+                    hint: "raise the timeout; an earlier execution is slow".into(),
+                })?,
         };
         loop {
             // Another get may have read this execution while this one waited for the lock.
@@ -657,7 +784,10 @@ impl<I: Value> RefOwner for GraphShared<I> {
             self.check_live()?;
             let next = self.next_read.load(Ordering::Acquire);
             if exec < next {
-                return Err(Error::AlreadyClaimed { execution: exec, output });
+                return Err(Error::AlreadyClaimed {
+                    execution: exec,
+                    output,
+                });
             }
             if next != exec
                 && rs.partial.is_empty()
@@ -675,10 +805,17 @@ impl<I: Value> RefOwner for GraphShared<I> {
         }
     }
 
-    fn poll_fetch(&self, exec: u64, output: usize, cx: &mut Context<'_>) -> Poll<Result<Box<dyn Any + Send>>> {
+    fn poll_fetch(
+        &self,
+        exec: u64,
+        output: usize,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Box<dyn Any + Send>>> {
         if !self.opts.enable_asyncio {
             return Poll::Ready(Err(Error::WrongMode {
-                message: "this graph was compiled without enable_asyncio; call get() instead of awaiting".into(),
+                message:
+                    "this graph was compiled without enable_asyncio; call get() instead of awaiting"
+                        .into(),
             }));
         }
         let mut r = self.results.lock();
@@ -692,7 +829,10 @@ impl<I: Value> RefOwner for GraphShared<I> {
             return Poll::Ready(Err(e));
         }
         if exec < self.next_read.load(Ordering::Acquire) {
-            return Poll::Ready(Err(Error::AlreadyClaimed { execution: exec, output }));
+            return Poll::Ready(Err(Error::AlreadyClaimed {
+                execution: exec,
+                output,
+            }));
         }
         r.wakers.insert((exec, output), cx.waker().clone());
         Poll::Pending
@@ -722,7 +862,9 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
     pub fn execute(&self, input: I) -> Result<O::Refs> {
         if self.shared.opts.enable_asyncio {
             return Err(Error::WrongMode {
-                message: "this graph was compiled with enable_asyncio; call execute_async(..).await".into(),
+                message:
+                    "this graph was compiled with enable_asyncio; call execute_async(..).await"
+                        .into(),
             });
         }
         let token = self.shared.execute(&input)?;

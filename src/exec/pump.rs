@@ -20,7 +20,11 @@ pub(super) fn start<I: Value>(shared: &Arc<GraphShared<I>>) -> Result<()> {
         .map_err(|e| Error::io("starting the async result pump", e))
 }
 
-fn run<I: Value>(weak: Weak<GraphShared<I>>, submitted: crossbeam_channel::Receiver<()>, mut edges: Vec<super::OutputEdge>) {
+fn run<I: Value>(
+    weak: Weak<GraphShared<I>>,
+    submitted: crossbeam_channel::Receiver<()>,
+    mut edges: Vec<super::OutputEdge>,
+) {
     let n_outputs: usize = edges.iter().map(|e| e.outputs.len()).sum();
     while submitted.recv().is_ok() {
         let Some(shared) = weak.upgrade() else { return };
@@ -28,11 +32,14 @@ fn run<I: Value>(weak: Weak<GraphShared<I>>, submitted: crossbeam_channel::Recei
         // counts them as in flight, as in sync mode.
         {
             let mut r = shared.results.lock();
-            while r.buffer.len() >= shared.opts.max_buffered_results && !shared.torn.load(std::sync::atomic::Ordering::Acquire) {
+            while r.buffer.len() >= shared.opts.max_buffered_results
+                && !shared.torn.load(std::sync::atomic::Ordering::Acquire)
+            {
                 shared.room.wait_for(&mut r, Duration::from_millis(100));
             }
         }
-        let mut results: Vec<Option<Box<dyn std::any::Any + Send>>> = (0..n_outputs).map(|_| None).collect();
+        let mut results: Vec<Option<Box<dyn std::any::Any + Send>>> =
+            (0..n_outputs).map(|_| None).collect();
         for edge in edges.iter_mut() {
             // Blocks until the value arrives or the graph's channels close.
             match edge.reader.read(edge.outputs.len(), None) {

@@ -108,7 +108,9 @@ impl<T: Value> CompiledRef<T> {
             Err(e) => {
                 if matches!(
                     e,
-                    Error::Timeout { .. } | Error::CapacityExceeded { .. } | Error::WrongMode { .. }
+                    Error::Timeout { .. }
+                        | Error::CapacityExceeded { .. }
+                        | Error::WrongMode { .. }
                 ) {
                     inner.claimed.store(false, Ordering::Release);
                 }
@@ -146,7 +148,10 @@ pub struct RefFuture<T> {
 
 impl<T: Value> std::future::Future for RefFuture<T> {
     type Output = Result<T>;
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<T>> {
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<T>> {
         let this = &mut *self;
         let inner = &this.r.inner;
         if !this.started {
@@ -179,7 +184,10 @@ impl<T> Drop for RefFuture<T> {
         // A future dropped before it resolved gives its result up (the claim was taken, so
         // the ref's own drop would not).
         if self.started && !self.finished {
-            self.r.inner.owner.release(self.r.inner.exec, self.r.inner.output);
+            self.r
+                .inner
+                .owner
+                .release(self.r.inner.exec, self.r.inner.output);
         }
     }
 }

@@ -23,7 +23,11 @@ pub(crate) fn dot(plan: &GraphPlan, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> St
     let _ = writeln!(out, "  rankdir=LR;");
     let _ = writeln!(out, "  driver_out [label=\"output\", shape=doublecircle];");
     for n in nodes.values() {
-        let shape = if n.actor().is_some() { "box" } else { "ellipse" };
+        let shape = if n.actor().is_some() {
+            "box"
+        } else {
+            "ellipse"
+        };
         let _ = writeln!(
             out,
             "  n{} [label=\"{}\\n{}\", shape={shape}];",
@@ -50,7 +54,11 @@ pub(crate) fn dot(plan: &GraphPlan, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> St
     }
     for (i, o) in plan.outputs.iter().enumerate() {
         let e = &plan.edges[o];
-        let kind = if e.local_readers.contains(&Loc::Driver) { "in-memory" } else { "shared memory" };
+        let kind = if e.local_readers.contains(&Loc::Driver) {
+            "in-memory"
+        } else {
+            "shared memory"
+        };
         let _ = writeln!(out, "  n{o} -> driver_out [label=\"output {i} ({kind})\"];");
     }
     for a in &plan.actors {
@@ -59,11 +67,23 @@ pub(crate) fn dot(plan: &GraphPlan, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> St
             .iter()
             .map(|op| match op {
                 OpSpec::Read { edge } => format!("read {}", plan.edges[edge].label),
-                OpSpec::Compute { node, .. } | OpSpec::Split { node, .. } => format!("compute {}", plan.edges[node].label),
+                OpSpec::Compute { node, .. } | OpSpec::Split { node, .. } => {
+                    format!("compute {}", plan.edges[node].label)
+                }
                 OpSpec::Write { edge } => format!("write {}", plan.edges[edge].label),
-                OpSpec::Recv { edge, stage, .. } => format!("recv {} (communicator{})", plan.edges[edge].label, stage_text(*stage)),
-                OpSpec::Send { edge, stage, .. } => format!("send {} (communicator{})", plan.edges[edge].label, stage_text(*stage)),
-                OpSpec::Collective { node, stage, .. } => format!("{}{}", plan.edges[node].label, stage_text(*stage)),
+                OpSpec::Recv { edge, stage, .. } => format!(
+                    "recv {} (communicator{})",
+                    plan.edges[edge].label,
+                    stage_text(*stage)
+                ),
+                OpSpec::Send { edge, stage, .. } => format!(
+                    "send {} (communicator{})",
+                    plan.edges[edge].label,
+                    stage_text(*stage)
+                ),
+                OpSpec::Collective { node, stage, .. } => {
+                    format!("{}{}", plan.edges[node].label, stage_text(*stage))
+                }
             })
             .collect();
         let _ = writeln!(
@@ -71,7 +91,12 @@ pub(crate) fn dot(plan: &GraphPlan, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> St
             "  schedule_{} [shape=note, label=\"schedule of {}\\l{}\\l\"];",
             a.actor,
             esc(&a.name),
-            steps.iter().enumerate().map(|(i, s)| format!("{}. {}", i + 1, esc(s))).collect::<Vec<_>>().join("\\l")
+            steps
+                .iter()
+                .enumerate()
+                .map(|(i, s)| format!("{}. {}", i + 1, esc(s)))
+                .collect::<Vec<_>>()
+                .join("\\l")
         );
     }
     out.push_str("}\n");
