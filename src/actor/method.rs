@@ -73,21 +73,26 @@ struct Method<A, Args, R> {
 
 type SplitFn<A> = fn(&mut TaskBuilder<'_, A>, u64, u64, usize) -> Result<Op<A>, String>;
 
+fn entry<A: 'static, Args: ArgTuple, R: Value>(
+    name: &'static str,
+    arg_names: &'static [&'static str],
+    f: fn(&mut A, Args) -> Result<R, String>,
+    split: Option<SplitFn<A>>,
+) -> MethodEntry<A> {
+    MethodEntry {
+        name,
+        arg_names,
+        imp: Box::new(Method { name, f, split }),
+    }
+}
+
 /// Register a method (used by `#[actor]`).
 pub fn method<A: 'static, Args: ArgTuple, R: Value>(
     name: &'static str,
     arg_names: &'static [&'static str],
     f: fn(&mut A, Args) -> Result<R, String>,
 ) -> MethodEntry<A> {
-    MethodEntry {
-        name,
-        arg_names,
-        imp: Box::new(Method {
-            name,
-            f,
-            split: None,
-        }),
-    }
+    entry(name, arg_names, f, None)
 }
 
 /// Register a method returning a tuple, whose elements the graph may split into nodes.
@@ -96,15 +101,7 @@ pub fn method_split<A: 'static, Args: ArgTuple, R: SplitTuple>(
     arg_names: &'static [&'static str],
     f: fn(&mut A, Args) -> Result<R, String>,
 ) -> MethodEntry<A> {
-    MethodEntry {
-        name,
-        arg_names,
-        imp: Box::new(Method {
-            name,
-            f,
-            split: Some(R::build_split::<A>),
-        }),
-    }
+    entry(name, arg_names, f, Some(R::build_split::<A>))
 }
 
 pub(crate) fn panic_text(payload: Box<dyn Any + Send>) -> String {
