@@ -9,11 +9,9 @@ use crate::compile::plan::{GraphPlan, Loc, OpSpec, Stage};
 use crate::error::{Error, Result};
 use crate::value::Value;
 use crossbeam_channel::{Receiver, Sender};
-use parking_lot::Mutex;
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 /// How the driver reaches an actor.
 pub(crate) enum ActorLink {
@@ -21,17 +19,10 @@ pub(crate) enum ActorLink {
     Process(ProcessLink),
 }
 
+/// Dropping the link closes the control channel, which ends the host loop; the thread is
+/// detached, so the last handle's drop never blocks on a busy actor.
 pub(crate) struct ThreadLink {
     pub(crate) control: Sender<Control>,
-    pub(crate) thread: Mutex<Option<JoinHandle<()>>>,
-}
-
-impl Drop for ThreadLink {
-    fn drop(&mut self) {
-        // Closing the control channel ends the host loop; joining is done by the thread
-        // itself exiting, so the last handle drop never blocks on a busy actor.
-        let _ = self.thread.lock().take();
-    }
 }
 
 /// A request to an actor's host thread.

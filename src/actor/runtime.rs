@@ -158,7 +158,8 @@ fn spawn_thread<A: Actor>(id: u64, name: &str, init: A::Init) -> Result<ThreadLi
     let (control, rx) = crossbeam_channel::unbounded::<Control>();
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), String>>(1);
     let host_name = name.to_string();
-    let thread = std::thread::Builder::new()
+    // Detached: the thread ends when the last handle drops the control channel.
+    std::thread::Builder::new()
         .name(format!("adag-{name}"))
         .spawn(move || {
             let built = catch_unwind(AssertUnwindSafe(|| A::construct(init)))
@@ -191,8 +192,5 @@ fn spawn_thread<A: Actor>(id: u64, name: &str, init: A::Init) -> Result<ThreadLi
         actor: name.to_string(),
         message: format!("new() failed: {message}"),
     })?;
-    Ok(ThreadLink {
-        control,
-        thread: Mutex::new(Some(thread)),
-    })
+    Ok(ThreadLink { control })
 }

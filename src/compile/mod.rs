@@ -25,12 +25,9 @@ pub(crate) struct Planned {
     pub comm: comms::CommPlan,
 }
 
-fn loc_of(node: &NodeInner) -> Loc {
+/// Where a node's value is written: by its actor, or by the driver for input nodes.
+pub(crate) fn loc_of(node: &NodeInner) -> Loc {
     node.actor().map_or(Loc::Driver, |a| Loc::Actor(a.id()))
-}
-
-fn method_label(node: &NodeInner) -> String {
-    node.describe()
 }
 
 /// Validate the graph reached from `outputs` and plan it. Claims every actor for the graph;
@@ -335,7 +332,7 @@ fn build_plan(
             *id,
             EdgePlan {
                 id: *id,
-                label: method_label(n),
+                label: n.describe(),
                 ty: n.ty.name().to_string(),
                 writer,
                 local_readers,

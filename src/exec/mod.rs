@@ -188,37 +188,6 @@ pub struct CompiledGraph<I: Value, O: IntoOutputs> {
     _o: PhantomData<fn() -> O>,
 }
 
-fn chan_error(
-    shared_death: Option<Error>,
-    torn_reason: Option<String>,
-    e: ChanError,
-    what: impl FnOnce() -> String,
-    timeout: Duration,
-    hint: &str,
-) -> Error {
-    match e {
-        ChanError::Closed => shared_death.unwrap_or(Error::TornDown {
-            reason: torn_reason,
-        }),
-        ChanError::Timeout => Error::Timeout {
-            what: what(),
-            timeout,
-            hint: hint.to_string(),
-        },
-        ChanError::TooLarge { size, limit } => Error::MessageTooLarge {
-            edge: what(),
-            size,
-            limit,
-        },
-        ChanError::Codec(message) => Error::Codec {
-            op: "decode",
-            ty: "value".into(),
-            place: what(),
-            message,
-        },
-    }
-}
-
 impl<I: Value> crate::dag::Dag<I> {
     /// Compile the graph that computes `outputs` (a node, a tuple of nodes or a `Vec` of
     /// nodes). Validates the graph, plans one channel per edge, installs every actor's
@@ -472,14 +441,25 @@ impl<I: Value> GraphShared<I> {
         timeout: Duration,
         hint: &str,
     ) -> Error {
-        chan_error(
-            self.death.lock().clone(),
-            self.torn_reason.lock().clone(),
-            e,
-            what,
-            timeout,
-            hint,
-        )
+        match e {
+            ChanError::Closed => self.closed_error(),
+            ChanError::Timeout => Error::Timeout {
+                what: what(),
+                timeout,
+                hint: hint.to_string(),
+            },
+            ChanError::TooLarge { size, limit } => Error::MessageTooLarge {
+                edge: what(),
+                size,
+                limit,
+            },
+            ChanError::Codec(message) => Error::Codec {
+                op: "decode",
+                ty: "value".into(),
+                place: what(),
+                message,
+            },
+        }
     }
 
     fn check_live(&self) -> Result<()> {

@@ -1,4 +1,5 @@
 //! `visualize()`: the graph, its channels and every actor's schedule as Graphviz DOT.
+use crate::compile::loc_of;
 use crate::compile::plan::{GraphPlan, Loc, OpSpec};
 use crate::dag::NodeInner;
 use std::collections::BTreeMap;
@@ -37,10 +38,9 @@ pub(crate) fn dot(plan: &GraphPlan, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> St
         );
     }
     for n in nodes.values() {
-        let edge = &plan.edges[&n.id];
+        let me = loc_of(n);
         for up in n.upstream() {
             let e = &plan.edges[&up.id];
-            let me = n.actor().map_or(Loc::Driver, |a| Loc::Actor(a.id()));
             let kind = if e.writer == me {
                 "slot"
             } else if e.local_readers.contains(&me) {
@@ -50,7 +50,6 @@ pub(crate) fn dot(plan: &GraphPlan, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> St
             };
             let _ = writeln!(out, "  n{} -> n{} [label=\"{kind}\"];", up.id, n.id);
         }
-        let _ = edge;
     }
     for (i, o) in plan.outputs.iter().enumerate() {
         let e = &plan.edges[o];
