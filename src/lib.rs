@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod actor;
+mod buffer;
 pub mod channel;
 pub mod comm;
 pub mod compile;
@@ -15,6 +16,7 @@ mod value;
 
 pub use actor::{Actor, ActorHandle, HandleCore, Placement, Runtime, SpawnOptions};
 pub use adag_macros::actor;
+pub use buffer::Buffer;
 pub use comm::{CommError, CommId, Communicator, CommunicatorFactory, CommunicatorGroup, ReduceOp};
 pub use compile::{CommunicatorInfo, CompileOptions, DefaultCommunicator};
 pub use dag::collective;

@@ -10,8 +10,8 @@
 pub(crate) use loom::cell::UnsafeCell;
 #[cfg(loom)]
 pub(crate) use loom::{
+    sync::Arc,
     sync::atomic::{AtomicU32, AtomicU64, Ordering, fence},
-    sync::{Arc, Mutex},
     thread,
 };
 
@@ -19,8 +19,8 @@ pub(crate) use loom::{
 pub(crate) use self::std_impl::UnsafeCell;
 #[cfg(not(loom))]
 pub(crate) use std::{
+    sync::Arc,
     sync::atomic::{AtomicU32, AtomicU64, Ordering, fence},
-    sync::{Arc, Mutex},
     thread,
 };
 

@@ -30,7 +30,7 @@
 //! ```
 use bytes::Bytes;
 use half::{bf16, f16};
-use serde::de::{self, Deserializer, Visitor};
+use serde::de::{self, Deserializer};
 use serde::ser::{self, SerializeStruct, Serializer};
 use serde::{Deserialize, Serialize};
 use std::any::Any;
@@ -916,58 +916,35 @@ impl fmt::Debug for Tensor {
 }
 
 impl Serialize for Tensor {
-    /// `{ dtype, shape, data }` with `data` one byte string. A device tensor is an error:
-    /// copy it to the CPU or send it through its device communicator.
+    /// `{ dtype, shape, data }` with `data` one byte string (out of band, so read in place,
+    /// when it crosses processes through shared memory). A device tensor is an error: copy it
+    /// to the CPU or send it through its device communicator.
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let data = self.as_bytes().map_err(ser::Error::custom)?;
+        struct Data<'a>(&'a Bytes);
+        impl Serialize for Data<'_> {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                crate::channel::oob::serialize_bytes(self.0, serializer)
+            }
+        }
+        let data = self.cpu_bytes().map_err(ser::Error::custom)?;
         let mut st = serializer.serialize_struct("Tensor", 3)?;
         st.serialize_field("dtype", &self.dtype)?;
         st.serialize_field("shape", &self.shape)?;
-        st.serialize_field("data", serde_bytes::Bytes::new(data))?;
+        st.serialize_field("data", &Data(data))?;
         st.end()
     }
 }
 
-/// Deserializes a byte string straight into an 8-aligned buffer: one copy from a borrowed
-/// input (postcard's `from_bytes`), none from an owned aligned `Vec<u8>`.
-fn deserialize_aligned<'de, D: Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
-    struct AlignedVisitor;
-    impl<'de> Visitor<'de> for AlignedVisitor {
-        type Value = Bytes;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("the bytes of a tensor's elements")
-        }
-        fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Bytes, E> {
-            let mut buf = AlignedBuf::zeroed(v.len());
-            buf.as_mut_bytes().copy_from_slice(v);
-            Ok(buf.into_bytes())
-        }
-        fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Bytes, E> {
-            if (v.as_ptr() as usize) % 8 == 0 {
-                Ok(Bytes::from(v))
-            } else {
-                self.visit_bytes(&v)
-            }
-        }
-        fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Bytes, A::Error> {
-            let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 20));
-            while let Some(b) = seq.next_element::<u8>()? {
-                v.push(b);
-            }
-            self.visit_bytes(&v)
-        }
-    }
-    d.deserialize_bytes(AlignedVisitor)
-}
-
 impl<'de> Deserialize<'de> for Tensor {
+    /// Zero copy when the data was read in place from shared memory (64-byte aligned there);
+    /// inline data is copied into a buffer aligned for every dtype.
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         #[derive(Deserialize)]
         #[serde(rename = "Tensor")]
         struct Wire {
             dtype: DType,
             shape: Vec<usize>,
-            #[serde(deserialize_with = "deserialize_aligned")]
+            #[serde(deserialize_with = "crate::channel::oob::deserialize_bytes")]
             data: Bytes,
         }
         let w = Wire::deserialize(deserializer)?;
@@ -1166,22 +1143,14 @@ mod tests {
     }
 
     #[test]
-    fn a_vec_of_u8_wire_decodes() {
-        #[derive(Serialize)]
-        struct Wire {
-            dtype: DType,
-            shape: Vec<usize>,
-            data: Vec<u8>,
-        }
-        let w = Wire {
-            dtype: DType::I16,
-            shape: vec![2],
-            data: [5i16, -6].iter().flat_map(|x| x.to_ne_bytes()).collect(),
-        };
-        // A Vec<u8> is written as a length and the bytes, the same as a byte string.
-        let enc = postcard::to_stdvec(&w).unwrap();
-        let t: Tensor = postcard::from_bytes(&enc).unwrap();
-        assert_eq!(t.to_vec::<i16>().unwrap(), vec![5, -6]);
+    fn large_data_outside_a_frame_stays_inline() {
+        // Out of band only inside a shared-memory frame: any other encoding carries the data.
+        let t = Tensor::from_vec(vec![7i16; 20_000], [100, 200]).unwrap();
+        let enc = postcard::to_stdvec(&t).unwrap();
+        assert!(enc.len() > 40_000, "{} bytes", enc.len());
+        let back: Tensor = postcard::from_bytes(&enc).unwrap();
+        assert_eq!(back, t);
+        assert_eq!(back.as_bytes().unwrap().as_ptr() as usize % 8, 0);
     }
 
     #[test]

@@ -4,8 +4,7 @@
 //! The actor types live in this library; every executable that spawns them as process actors
 //! links them in (the workers are the same executable re-started in worker mode).
 
-use adag::{ActorHandle, CompileOptions, CompiledGraph, Dag, Node, Placement, Runtime};
-use serde::{Deserialize, Serialize};
+use adag::{ActorHandle, Buffer, CompileOptions, CompiledGraph, Dag, Node, Placement, Runtime};
 
 /// A stage that adds a constant: echo is `Stage(0)`, chains check the sum.
 pub struct Stage {
@@ -24,15 +23,11 @@ impl Stage {
         x.wrapping_add(self.k)
     }
 
-    /// Return the payload unchanged.
-    pub fn echo_bytes(&mut self, p: Payload) -> Payload {
+    /// Return the payload unchanged (read in place from shared memory, written once).
+    pub fn echo_bytes(&mut self, p: Buffer) -> Buffer {
         p
     }
 }
-
-/// Bytes that postcard copies in bulk (`serde_bytes`), not element by element.
-#[derive(Clone, Serialize, Deserialize)]
-pub struct Payload(#[serde(with = "serde_bytes")] pub Vec<u8>);
 
 /// A graph with one input of type `u64` and one `u64` output.
 pub type U64Graph = CompiledGraph<u64, Node<u64>>;
@@ -70,8 +65,8 @@ pub fn fanout(stages: &[ActorHandle<Stage>], opts: CompileOptions) -> adag::Resu
 pub fn payload_echo(
     stage: &ActorHandle<Stage>,
     opts: CompileOptions,
-) -> adag::Result<CompiledGraph<Payload, Node<Payload>>> {
-    let dag = Dag::<Payload>::new();
+) -> adag::Result<CompiledGraph<Buffer, Node<Buffer>>> {
+    let dag = Dag::<Buffer>::new();
     let out = stage.echo_bytes(dag.input());
     dag.compile(out, opts)
 }

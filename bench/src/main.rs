@@ -13,8 +13,9 @@
 //! of an echo (the bytes cross twice, but count once). The workload keys match
 //! `scripts/ray/workloads.py`, so `scripts/ray/compare.py` can put both systems side by side.
 
+use adag::Buffer;
 use adag::{CompileOptions, CompiledGraph, IntoOutputs, Placement, RefSet, Runtime};
-use adag_bench::{Payload, Stage, chain, fanout, payload_echo, spawn_stages};
+use adag_bench::{Stage, chain, fanout, payload_echo, spawn_stages};
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
 use hdrhistogram::Histogram;
@@ -445,19 +446,20 @@ impl Bench {
             if !self.wants(key) {
                 continue;
             }
-            // Room for postcard's length prefix; two slots are enough for synchronous round trips.
+            // Room for the frame header (64 bytes before an out-of-band payload); two slots are
+            // enough for synchronous round trips.
             let opts = CompileOptions::default()
                 .buffer_size_bytes(size + 64)
                 .max_inflight_executions(2);
             let g = payload_echo(&a, opts)?;
             let n = self.counts.payload(*size);
-            let mut buf = Some(Payload(vec![0xa5; *size]));
+            let mut buf = Some(Buffer::from(vec![0xa5; *size]));
             let m = timed(self.counts.warmup(n).min(n), n, |_| {
                 let out = g.execute(buf.take().expect("buffer is back"))?.get()?;
                 ensure!(
-                    out.0.len() == *size,
+                    out.len() == *size,
                     "echo of {size} bytes returned {}",
-                    out.0.len()
+                    out.len()
                 );
                 buf = Some(out);
                 Ok(())

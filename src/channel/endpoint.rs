@@ -2,6 +2,7 @@
 //! edge: readers in the writer's process get it through an in-memory ring without
 //! serialization (moved to the last reader, cloned for the others); readers in other
 //! processes share one shared-memory ring, encoded once with postcard.
+use super::oob;
 use super::shm::{RingError, ShmChannel, ShmReader, ShmWriter};
 use crate::compile::plan::{GraphPlan, Loc};
 use crate::value::Value;
@@ -67,8 +68,9 @@ impl From<RingError> for ChanError {
 const TAG_VALUE: u8 = 0;
 const TAG_ERROR: u8 = 1;
 
-/// Encode `value` straight into a slot of `shm`, growing the channel when the slot is too
-/// small, and telling that apart from a value that cannot be encoded at all.
+/// Encode `value` as a frame straight into a slot of `shm` (large byte strings out of band),
+/// growing the channel when the slot is too small, and telling that apart from a value that
+/// cannot be encoded at all.
 fn write_encoded<T: Serialize>(
     shm: &mut ShmWriter,
     tag: u8,
@@ -78,12 +80,10 @@ fn write_encoded<T: Serialize>(
     let mut failure: Option<String> = None;
     let written = shm.write(
         tag,
-        &mut |buf: &mut [u8]| match postcard::to_slice(value, buf) {
-            Ok(used) => Ok(used.len()),
-            Err(postcard::Error::SerializeBufferFull) => {
-                Err(postcard::experimental::serialized_size(value).unwrap_or(buf.len() * 2 + 64))
-            }
-            Err(e) => {
+        &mut |buf: &mut [u8]| match oob::encode(value, buf) {
+            Ok(len) => Ok(len),
+            Err(oob::EncodeError::TooSmall(needed)) => Err(needed),
+            Err(oob::EncodeError::Failed(e)) => {
                 failure = Some(e.to_string());
                 // Over any ceiling: the writer gives up at once, without growing.
                 Err(usize::MAX)
@@ -234,9 +234,8 @@ impl<T: Value> EdgeReader<T> {
             EdgeReader::Shm(reader, _) => {
                 let frame = reader.read(deadline)?;
                 let decoded = match frame.tag {
-                    TAG_VALUE => postcard::from_bytes::<T>(frame.data()).map(Msg::Value),
-                    _ => postcard::from_bytes::<TaskError>(frame.data())
-                        .map(|e| Msg::Error(Arc::new(e))),
+                    TAG_VALUE => oob::decode::<T>(&frame).map(Msg::Value),
+                    _ => oob::decode::<TaskError>(&frame).map(|e| Msg::Error(Arc::new(e))),
                 };
                 decoded.map_err(|e| {
                     ChanError::Codec(format!(

@@ -172,6 +172,21 @@ fn a_value_that_fails_to_encode_is_a_codec_error() {
     }
 }
 
+/// The frame of `value`, as the typed writer puts it in a slot.
+fn frame_of<T: Serialize>(value: &T) -> Vec<u8> {
+    let mut buf = vec![0; 64];
+    match super::oob::encode(value, &mut buf) {
+        Ok(len) => buf.truncate(len),
+        Err(super::oob::EncodeError::TooSmall(needed)) => {
+            buf = vec![0; needed];
+            let len = super::oob::encode(value, &mut buf).expect("encode into the size asked for");
+            assert_eq!(len, needed);
+        }
+        Err(e) => panic!("{e:?}"),
+    }
+    buf
+}
+
 /// Writes `bytes` as one frame of kind `tag`, bypassing the typed encoder.
 fn write_raw(pc: &ProcChannels, w: &mut super::shm::ShmWriter, tag: u8, bytes: &[u8]) {
     let _ = pc;
@@ -211,11 +226,29 @@ fn read_random_frames<T: Value + std::fmt::Debug>(
     Ok(())
 }
 
+/// Random frames: random bytes, or a random body behind a well-formed header with a random
+/// table of attachments (`count` entries of random offsets and lengths, mostly in range).
 fn frames() -> impl Strategy<Value = Vec<(u8, Vec<u8>)>> {
+    let body = proptest::collection::vec(any::<u8>(), 0..600);
+    let table = proptest::collection::vec((0u64..800, 0u64..300), 0..3);
+    let framed = (body.clone(), table, any::<bool>()).prop_map(|(body, table, honest)| {
+        let mut frame = Vec::new();
+        frame.extend((body.len() as u64).to_le_bytes());
+        frame.extend((table.len() as u64).to_le_bytes());
+        frame.extend(&body);
+        for (offset, len) in &table {
+            frame.extend(offset.to_le_bytes());
+            frame.extend(len.to_le_bytes());
+        }
+        if honest {
+            frame.resize(frame.len() + 1100, 0xab);
+        }
+        frame
+    });
     proptest::collection::vec(
         (
             prop_oneof![Just(0u8), Just(1u8), any::<u8>()],
-            proptest::collection::vec(any::<u8>(), 0..600),
+            prop_oneof![body, framed],
         ),
         1..8,
     )
@@ -233,6 +266,8 @@ proptest! {
         read_random_frames::<Vec<u8>>(&frames)?;
         read_random_frames::<(u64, String, Vec<u8>)>(&frames)?;
         read_random_frames::<Vec<String>>(&frames)?;
+        read_random_frames::<crate::Buffer>(&frames)?;
+        read_random_frames::<(crate::Buffer, crate::Tensor)>(&frames)?;
         read_random_frames::<Option<f64>>(&frames)?;
         read_random_frames::<ReplyV2>(&frames)?;
     }
@@ -241,7 +276,7 @@ proptest! {
     #[test]
     fn truncated_frames_are_codec_errors(id in any::<u64>(), name in ".{0,40}", scores in proptest::collection::vec(any::<f32>(), 0..20), cut in any::<prop::sample::Index>()) {
         let v = ReplyV2 { id, name, scores };
-        let bytes = postcard::to_stdvec(&v).unwrap();
+        let bytes = frame_of(&v);
         let k = cut.index(bytes.len());
         let pc = chans(2);
         let mut w = pc.shm[&CHAN].writer();

@@ -13,8 +13,8 @@
 use std::time::Duration;
 
 use super::ring::test_slots::Slots;
-use super::ring::{HeapRing, RingError, RingMemory, RingReader, RingWriter};
-use crate::sync::{Arc, thread};
+use super::ring::{self, HeapRing, RingError, RingMemory, RingReader, RingWriter};
+use crate::sync::{Arc, AtomicU32, UnsafeCell, thread};
 
 /// Under loom the backoff yields once and then sleeps, whatever the budget.
 const SPIN: Duration = Duration::ZERO;
@@ -88,35 +88,71 @@ fn two_readers_two_messages() {
     });
 }
 
-/// A message kept as a lease and released on another thread, while the reader goes on.
+/// Payload memory with a pin count, as the shared-memory channel's blocks have.
+struct Block {
+    pins: AtomicU32,
+    data: UnsafeCell<u64>,
+}
+
+// SAFETY: the pin protocol under test orders every access to `data`; the model checks it.
+unsafe impl Sync for Block {}
+
+/// A reader pins message 0's payload, releases the slot and hands the payload to another
+/// thread that reads it later; meanwhile the writer reuses the slot for message 1. The writer
+/// must put message 1 in another block while the pin holds (else the late read is torn, which
+/// loom reports as a race on `data`), and may reuse the first block once it is unpinned.
 #[test]
-fn lease_released_on_another_thread() {
+fn pinned_payload_outlives_its_slot() {
     loom::model(|| {
-        let ring = HeapRing::new(2, 1);
-        let slots = Arc::new(Slots::new(2));
+        let ring = HeapRing::new(1, 1);
+        // Slot contents: the index of the block holding the slot's message.
+        let slots = Arc::new(Slots::new(1));
+        let blocks: Arc<[Block; 2]> = Arc::new(std::array::from_fn(|_| Block {
+            pins: AtomicU32::new(0),
+            data: UnsafeCell::new(0),
+        }));
         let mut reader = RingReader::attach(ring.clone(), 0, SPIN).unwrap();
         let consumer = {
-            let slots = slots.clone();
+            let (slots, blocks) = (slots.clone(), blocks.clone());
             thread::spawn(move || {
                 let seq = reader.acquire(None).unwrap();
-                let lease = reader.lease(seq);
-                let dropper = {
-                    let slots = slots.clone();
+                let kept = slots.read(seq) as usize;
+                ring::pin(&blocks[kept].pins);
+                reader.release(seq);
+                let holder = {
+                    let blocks = blocks.clone();
                     thread::spawn(move || {
-                        assert_eq!(slots.read(0), value(0));
-                        drop(lease);
+                        // SAFETY: pinned: the writer does not write this block until unpinned.
+                        let v = blocks[kept].data.with(|d| unsafe { *d });
+                        assert_eq!(v, value(0));
+                        ring::unpin(&blocks[kept].pins);
                     })
                 };
                 let seq = reader.acquire(None).unwrap();
-                assert_eq!(slots.read(seq), value(seq));
+                let block = slots.read(seq) as usize;
+                // SAFETY: the slot is acquired and its block was written before the publish.
+                let v = blocks[block].data.with(|d| unsafe { *d });
+                assert_eq!(v, value(seq));
                 reader.release(seq);
-                dropper.join().unwrap();
+                holder.join().unwrap();
                 reader
             })
         };
         let mut writer = RingWriter::attach(ring, SPIN).unwrap();
-        // The third message needs slot 0 back: released by the lease, on the other thread.
-        write(&mut writer, &slots, 3);
+        let mut current = 0;
+        for seq in 0..2 {
+            assert_eq!(writer.reserve(None).unwrap(), seq);
+            if ring::is_pinned(&blocks[current].pins) {
+                current = 1 - current;
+                assert!(!ring::is_pinned(&blocks[current].pins));
+            }
+            // SAFETY: the block is unpinned and its slot reserved: nobody reads it.
+            blocks[current]
+                .data
+                .with_mut(|d| unsafe { *d = value(seq) });
+            slots.write(seq, current as u64);
+            writer.publish();
+        }
         drop(consumer.join().unwrap());
     });
 }

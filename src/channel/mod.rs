@@ -4,6 +4,7 @@ pub(crate) mod endpoint;
 mod frame_tests;
 #[cfg(all(test, loom))]
 mod loom_tests;
+pub(crate) mod oob;
 pub(crate) mod ring;
 pub(crate) mod shm;
 pub(crate) mod wait;

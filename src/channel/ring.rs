@@ -32,10 +32,11 @@
 //!   [`RingError::Closed`] at once; readers first drain what was published, then return
 //!   `Closed`. Dropping a [`RingWriter`] or [`RingReader`] closes the ring, so nobody waits for
 //!   a peer that left.
-//! - **Leases**: a reader may keep a message past its next read ([`RingReader::lease`]). Such
-//!   releases may come out of order and from other threads; they are recorded in a small
-//!   reader-local table under a mutex and `cursor[r]` advances over the contiguous prefix.
-//!   In-order releases with no lease outstanding (the common case) take no lock.
+//! - **Pins**: a reader that keeps a message's payload past its release (a zero-copy read)
+//!   pins the payload's memory with [`pin`] *before* it releases the slot, and [`unpin`]s it
+//!   when done, from any thread. The writer, once the slot is free, reuses that memory only
+//!   if [`is_pinned`] says no; otherwise it writes the slot's next message elsewhere. The
+//!   slot itself is never held, so a kept payload never stalls the writer.
 //!
 //! # Why no wake-up is lost
 //!
@@ -46,12 +47,20 @@
 //! the sleeper and bumps the futex word before waking it. The loom models in `loom_tests.rs`
 //! check this with a futex model that has no timeout, so a lost wake-up is a deadlock there.
 //! The 100 ms bound on each real futex sleep only guards against peers that die.
+//!
+//! # Why a pinned payload is never overwritten
+//!
+//! The reader's `pin` (relaxed) comes before its release of the slot (release store of its
+//! cursor); the writer's acquire load of that cursor precedes its `is_pinned` check, so the
+//! check sees the pin. The `unpin` is a release decrement and `is_pinned` an acquire load, so
+//! once the writer sees the count at zero, every read of the payload happened before its
+//! next write. A pin left by a process that died is never undone: the memory stays with the
+//! channel, which is torn down with the graph anyway.
 
-use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
 use crate::channel::wait::{SpinPolicy, WaitCell};
-use crate::sync::{Arc, AtomicU32, AtomicU64, Mutex, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// Errors of the ring and of the shared-memory channel built on it.
 #[derive(Debug, thiserror::Error)]
@@ -149,7 +158,7 @@ pub(crate) struct Cursor {
     attached: AtomicU32,
 }
 
-/// Where a ring's shared words live. Cloning must be cheap (an `Arc`): leases hold a clone.
+/// Where a ring's shared words live. Cloning must be cheap (an `Arc`).
 pub(crate) trait RingMemory: Clone {
     fn control(&self) -> &RingControl;
     /// The cursor of reader `index`; `index < control().readers()`.
@@ -164,6 +173,9 @@ pub(crate) struct HeapRing {
     control: RingControl,
     cursors: Box<[Cursor]>,
 }
+
+#[cfg(test)]
+use crate::sync::Arc;
 
 #[cfg(test)]
 impl HeapRing {
@@ -280,33 +292,6 @@ fn publish_cursor(mem: &impl RingMemory, index: u32, released: u64) {
     mem.control().space.notify();
 }
 
-/// Releases of one reader that may come out of order (leases), from any thread.
-#[derive(Debug)]
-struct Releases {
-    /// Leases alive. While it is zero the reader releases in order without the lock.
-    leases: AtomicU32,
-    /// `released[s % depth]`: sequence `s` (at or above the cursor) was released.
-    released: Mutex<Box<[bool]>>,
-}
-
-impl Releases {
-    fn release<M: RingMemory>(&self, mem: &M, index: u32, seq: u64) {
-        let mut released = self.released.lock().unwrap_or_else(PoisonError::into_inner);
-        let depth = released.len() as u64;
-        // Only sequences in [cursor, cursor + depth) can be outstanding (the writer keeps
-        // within `depth` of every cursor), so `s % depth` names one of them.
-        released[(seq % depth) as usize] = true;
-        let start = mem.cursor(index).released.load(Ordering::Acquire);
-        let mut cursor = start;
-        while std::mem::take(&mut released[(cursor % depth) as usize]) {
-            cursor += 1;
-        }
-        if cursor != start {
-            publish_cursor(mem, index, cursor);
-        }
-    }
-}
-
 /// A reading end. One per reader index ([`attach`](Self::attach) refuses a second).
 #[derive(Debug)]
 pub(crate) struct RingReader<M: RingMemory> {
@@ -317,7 +302,6 @@ pub(crate) struct RingReader<M: RingMemory> {
     next: u64,
     /// The last `write_seq` seen: messages below it are readable without a shared load.
     published: u64,
-    releases: Arc<Releases>,
 }
 
 impl<M: RingMemory> RingReader<M> {
@@ -333,16 +317,11 @@ impl<M: RingMemory> RingReader<M> {
             return None;
         }
         let next = cursor.released.load(Ordering::Acquire);
-        let depth = ctl.depth() as usize;
         Some(Self {
             index,
             policy: SpinPolicy::new(spin),
             next,
             published: next,
-            releases: Arc::new(Releases {
-                leases: AtomicU32::new(0),
-                released: Mutex::new(vec![false; depth].into_boxed_slice()),
-            }),
             mem,
         })
     }
@@ -352,7 +331,7 @@ impl<M: RingMemory> RingReader<M> {
     }
 
     /// Waits for the next message and returns its sequence number; the caller reads slot
-    /// `seq % depth` and then calls [`release`](Self::release) or [`lease`](Self::lease).
+    /// `seq % depth` and then calls [`release`](Self::release).
     /// After a close, messages already published are still returned, then `Closed`.
     pub(crate) fn acquire(&mut self, deadline: Option<Instant>) -> Result<u64, RingError> {
         if self.next == self.published {
@@ -386,31 +365,7 @@ impl<M: RingMemory> RingReader<M> {
             self.next,
             "release of a sequence that is not the latest"
         );
-        if self.releases.leases.load(Ordering::Acquire) == 0 {
-            // No lease is alive, so every earlier sequence was released and the cursor is at
-            // `seq`; nobody else writes it now.
-            debug_assert_eq!(
-                self.mem.cursor(self.index).released.load(Ordering::Relaxed),
-                seq
-            );
-            publish_cursor(&self.mem, self.index, seq + 1);
-        } else {
-            self.releases.release(&self.mem, self.index, seq);
-        }
-    }
-
-    /// Turns the acquired `seq` into a lease that releases it when dropped, on any thread,
-    /// while this reader goes on reading.
-    #[allow(dead_code)] // For `ShmReader::read_owned`: zero-copy byte payloads (integration).
-    pub(crate) fn lease(&mut self, seq: u64) -> RingLease<M> {
-        debug_assert!(seq < self.next, "lease of a sequence not acquired");
-        self.releases.leases.fetch_add(1, Ordering::Relaxed);
-        RingLease {
-            mem: self.mem.clone(),
-            index: self.index,
-            seq,
-            releases: self.releases.clone(),
-        }
+        publish_cursor(&self.mem, self.index, seq + 1);
     }
 }
 
@@ -420,29 +375,22 @@ impl<M: RingMemory> Drop for RingReader<M> {
     }
 }
 
-/// A message kept past the reader's next read; releases its slot when dropped.
-#[allow(dead_code)] // Zero-copy byte payloads (integration).
-#[derive(Debug)]
-pub(crate) struct RingLease<M: RingMemory> {
-    mem: M,
-    index: u32,
-    seq: u64,
-    releases: Arc<Releases>,
+/// Pins the payload memory whose pin count is `count`; call before releasing the slot.
+pub(crate) fn pin(count: &AtomicU32) {
+    // Relaxed: the release of the slot that follows publishes it to the writer.
+    count.fetch_add(1, Ordering::Relaxed);
 }
 
-#[allow(dead_code)] // Zero-copy byte payloads (integration).
-impl<M: RingMemory> RingLease<M> {
-    pub(crate) fn memory(&self) -> &M {
-        &self.mem
-    }
+/// Undoes one [`pin`], after the last read of the payload, from any thread.
+pub(crate) fn unpin(count: &AtomicU32) {
+    // Release: every read of the payload happens before the writer sees the count drop.
+    count.fetch_sub(1, Ordering::Release);
 }
 
-impl<M: RingMemory> Drop for RingLease<M> {
-    fn drop(&mut self) {
-        self.releases.release(&self.mem, self.index, self.seq);
-        // After the release: a reader that sees no lease alive may write the cursor itself.
-        self.releases.leases.fetch_sub(1, Ordering::Release);
-    }
+/// Whether some reader still reads the payload memory whose pin count is `count`. The
+/// writer asks after reserving the slot whose message last used that memory.
+pub(crate) fn is_pinned(count: &AtomicU32) -> bool {
+    count.load(Ordering::Acquire) != 0
 }
 
 /// Slot contents for the ring tests: one `u64` per slot with no synchronisation of its own, so
@@ -502,22 +450,12 @@ mod tests {
                     let mut reader = RingReader::attach(ring.clone(), index, DEFAULT_SPIN).unwrap();
                     let slots = slots.clone();
                     thread::spawn(move || {
-                        let mut leases = Vec::new();
                         for expected in 0..MESSAGES {
                             let seq = reader.acquire(None).unwrap();
                             assert_eq!(seq, expected);
                             assert_eq!(slots.read(seq), seq * 7 + 1);
-                            // Reader 0 keeps every third message past its next read.
-                            if index == 0 && seq % 3 == 0 {
-                                leases.push(reader.lease(seq));
-                                if leases.len() > 1 {
-                                    leases.remove(0);
-                                }
-                            } else {
-                                reader.release(seq);
-                            }
+                            reader.release(seq);
                         }
-                        drop(leases);
                         // The writer closes after the last message.
                         assert!(matches!(reader.acquire(None), Err(RingError::Closed)));
                     })

@@ -8,8 +8,9 @@
 //! 128-aligned     RingControl: write_seq, data/space wait cells, closed
 //! 128-aligned     Cursor × readers (128 bytes each)
 //! 128-aligned     SlotMeta × depth: (offset, len, tag) of the payload in each slot
-//! page-aligned    payload region 0: depth × stride0 bytes
-//!                 payload region 1: depth × stride1 bytes (after a growth) ...
+//! page-aligned    block of slot 0: BlockHeader (64 bytes: pin count), payload
+//!                 block of slot 1, ... block of slot depth - 1 (stride0 bytes each)
+//!                 blocks added later (growth, pinned blocks replaced) ...
 //! ```
 //!
 //! The memfd is created with `MFD_CLOEXEC` (a crash leaves nothing in `/dev/shm` or in other
@@ -17,21 +18,29 @@
 //! process maps a fixed, large range with `MAP_NORESERVE` (room for every growth up to
 //! `max_message_bytes`), so a growth never remaps and never passes a new fd.
 //!
-//! # Growth
+//! # Blocks, growth and pins
 //!
-//! A message that does not fit the current stride makes the writer `ftruncate` the memfd
-//! larger and carve a new payload region for *every* slot at its end (stride = max(2 × old,
-//! needed), page-rounded, at most the page-rounded ceiling), pre-faulted with
-//! `MADV_POPULATE_WRITE`. Each slot's [`SlotMeta`] names where its payload is, so readers follow
-//! without being told; a slot is rewritten only after every reader released it, so an old
-//! region is never read again once its slots were rewritten. Readers pre-fault (populate-read)
-//! a region the first time a frame points into it. The regions a growth leaves behind stay
-//! allocated until the channel is dropped (less than the live region in total).
+//! Every slot's payload lives in a *block*: a page-aligned range whose first 64 bytes are a
+//! [`BlockHeader`] (its pin count) and the rest the payload, so payloads are 64-byte aligned.
+//! The writer owns the assignment of blocks to slots (its [`Blocks`]); each slot's
+//! [`SlotMeta`] names where its message's payload is, so readers follow without being told.
 //!
-//! Payload bytes are written in place by the writer's encoder and read in place by readers
-//! (zero copy); they are ordered by the ring (release on publish, acquire on read). Everything
-//! else in the mapping is an atomic.
-
+//! A message that does not fit the slot's block raises the *stride* (max(2 × old, needed),
+//! page-rounded, at most the page-rounded ceiling); a slot gets a block of the new stride the
+//! next time it is written, carved at the end of the memfd (`ftruncate`, pre-faulted with
+//! `MADV_POPULATE_WRITE`). Readers pre-fault (populate-read) new ranges the first time a frame
+//! points into them.
+//!
+//! A reader may [pin](ShmFrame::pin) a message's block to keep reading its payload after
+//! releasing the slot: that is how byte buffers and tensors are read in place (zero copy)
+//! and kept as long as the user likes. When the writer comes round to a slot whose block is
+//! pinned, it moves the slot to another block (an unpinned spare, or a new one) instead of
+//! waiting: a value kept by a reader never stalls the graph. Blocks given up stay with the
+//! writer: a few are kept for reuse, the memory of the others is given back to the kernel
+//! (`FALLOC_FL_PUNCH_HOLE`), and a block too small for the current stride is never used again.
+//! Only when the address space reserved for the channel is used up by pinned blocks does the
+//! writer wait for readers to drop what they keep (up to its deadline, or the channel's close).
+//!
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -41,16 +50,24 @@ use memmap2::{Advice, MmapOptions, MmapRaw};
 use rustix::fs::{MemfdFlags, SealFlags};
 
 pub(crate) use super::ring::RingError;
-use super::ring::{Cursor, RingControl, RingLease, RingMemory, RingReader, RingWriter};
+use super::ring::{Cursor, RingControl, RingMemory, RingReader, RingWriter};
 use super::wait::DEFAULT_SPIN;
 use crate::sync::{Arc, AtomicU32, AtomicU64, Ordering};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"adag-shm");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Limits that keep the layout arithmetic far from overflow.
 const MAX_DEPTH: u32 = 1 << 16;
 const MAX_READERS: u32 = 1 << 12;
 const MAX_MESSAGE_BYTES: usize = 1 << 40;
+
+/// Bytes before the payload in every block: its [`BlockHeader`].
+const BLOCK_HEADER: usize = 64;
+/// Address space reserved per slot, in units of the largest stride: the regions of every
+/// growth take less than 3, the rest is room for blocks that readers keep pinned.
+const RESERVED_STRIDES_PER_SLOT: usize = 8;
+/// How often a writer that found every block pinned and no room for another looks again.
+const PINNED_POLL: Duration = Duration::from_millis(1);
 
 /// How much of each slot is pre-faulted when a channel is created.
 const PREFAULT_PER_SLOT: usize = 64 * 1024;
@@ -94,14 +111,27 @@ struct ShmHeader {
     slot_bytes: AtomicU64,
     max_message_bytes: AtomicU64,
     spin_ns: AtomicU64,
-    /// Written by the writer only: the current payload region, its per-slot stride, and the
-    /// memfd's length (every byte below it is backed and mapped).
-    region: AtomicU64,
+    /// Written by the writer only: the stride of new blocks, and the memfd's length (every
+    /// byte below it is backed and mapped).
     stride: AtomicU64,
     file_len: AtomicU64,
 }
 
-/// Where the payload of the message in a slot is. Written by the writer before it publishes.
+/// The first bytes of every block.
+#[repr(C, align(64))]
+#[derive(Debug)]
+struct BlockHeader {
+    /// Readers that keep this block's payload past the release of its slot (see
+    /// [`ring::pin`](super::ring::pin)).
+    pins: AtomicU32,
+    /// The block's size, header included; written by the writer before a message uses it.
+    size: AtomicU64,
+}
+
+const _: () = assert!(size_of::<BlockHeader>() == BLOCK_HEADER);
+
+/// Where the payload of the message in a slot is (inside a block, right after its header).
+/// Written by the writer before it publishes.
 #[repr(C, align(128))]
 #[derive(Debug)]
 struct SlotMeta {
@@ -125,6 +155,8 @@ unsafe impl Shared for RingControl {}
 unsafe impl Shared for Cursor {}
 // SAFETY: as above.
 unsafe impl Shared for SlotMeta {}
+// SAFETY: as above.
+unsafe impl Shared for BlockHeader {}
 
 /// Offsets of everything in the mapping, derived from the configuration alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,11 +166,11 @@ struct Layout {
     slots: usize,
     /// First payload byte; page-aligned. Everything below is header.
     payload_start: usize,
-    /// Per-slot stride of the first payload region.
+    /// Size of the first block of every slot (header included).
     initial_stride: usize,
-    /// Largest stride a growth may reach (the page-rounded ceiling).
+    /// Largest block a growth may make (the page-rounded ceiling, header included).
     max_stride: usize,
-    /// Bytes of address space each process maps: room for every possible growth.
+    /// Bytes of address space each process maps: room for every growth and pinned blocks.
     reserve: usize,
 }
 
@@ -176,11 +208,19 @@ impl Layout {
         let slots = cursors + cfg.readers as usize * size_of::<Cursor>();
         let payload_start =
             (slots + cfg.depth as usize * size_of::<SlotMeta>()).next_multiple_of(page);
-        let initial_stride = cfg.slot_bytes.max(1).next_multiple_of(page);
-        let max_stride = cfg.max_message_bytes.next_multiple_of(page);
-        // Strides at least double until they reach `max_stride`, so the regions before the
-        // last one sum to less than twice the one before it, < 2 × max_stride: 3 × in all.
-        let reserve = payload_start + cfg.depth as usize * 3 * max_stride;
+        let initial_stride = (cfg.slot_bytes + BLOCK_HEADER).next_multiple_of(page);
+        let max_stride = (cfg.max_message_bytes + BLOCK_HEADER).next_multiple_of(page);
+        let reserve = cfg.depth as usize * RESERVED_STRIDES_PER_SLOT;
+        let reserve = reserve
+            .checked_mul(max_stride)
+            .and_then(|r| r.checked_add(payload_start))
+            .filter(|r| *r <= isize::MAX as usize)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "depth {} × max_message_bytes {} needs more address space than there is",
+                    cfg.depth, cfg.max_message_bytes
+                ))
+            })?;
         Ok(Self {
             control,
             cursors,
@@ -231,6 +271,21 @@ impl ShmShared {
     fn slot(&self, seq: u64) -> &SlotMeta {
         let index = (seq % u64::from(self.depth)) as usize;
         self.at(self.layout.slots + index * size_of::<SlotMeta>())
+    }
+
+    /// The header of the block at `at`, below the file length `file_len`.
+    fn block(&self, at: usize, file_len: usize) -> &BlockHeader {
+        view(&self.map, file_len, at)
+    }
+
+    /// Gives the memory of `len` bytes at `offset` back to the kernel; the range reads as
+    /// zeros afterwards (and allocates again when written). Nobody may be reading it.
+    fn punch(&self, offset: usize, len: usize) {
+        let flags = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        if let Err(err) = rustix::fs::fallocate(&self.fd, flags, offset as u64, len as u64) {
+            // Only memory use: the range stays valid.
+            tracing::debug!(%err, offset, len, "could not punch a hole in a channel's memfd");
+        }
     }
 
     /// Pre-faults `len` bytes at `offset` in this process's page tables. `write` when this
@@ -302,11 +357,12 @@ impl ShmChannel {
         shared.populate(0, layout.payload_start, true)?;
         let per_slot = layout.initial_stride.min(PREFAULT_PER_SLOT);
         for slot in 0..cfg.depth as usize {
-            shared.populate(
-                layout.payload_start + slot * layout.initial_stride,
-                per_slot,
-                true,
-            )?;
+            let block = layout.payload_start + slot * layout.initial_stride;
+            shared.populate(block, per_slot, true)?;
+            shared
+                .block(block, file_len)
+                .size
+                .store(layout.initial_stride as u64, Ordering::Relaxed);
         }
         let header = shared.header();
         header.version.store(VERSION, Ordering::Relaxed);
@@ -322,9 +378,6 @@ impl ShmChannel {
             cfg.spin.as_nanos().min(u64::MAX.into()) as u64,
             Ordering::Relaxed,
         );
-        header
-            .region
-            .store(layout.payload_start as u64, Ordering::Relaxed);
         header
             .stride
             .store(layout.initial_stride as u64, Ordering::Relaxed);
@@ -400,13 +453,22 @@ impl ShmChannel {
     pub fn writer(&self) -> ShmWriter {
         let ring = RingWriter::attach(self.shared.clone(), self.shared.spin)
             .expect("the writer of this shared-memory channel was taken before");
-        let header = self.shared.header();
-        let growth = Growth {
-            region: header.region.load(Ordering::Acquire),
-            stride: header.stride.load(Ordering::Acquire),
-            file_len: header.file_len.load(Ordering::Acquire),
+        let layout = &self.shared.layout;
+        let blocks = Blocks {
+            current: (0..self.shared.depth as usize)
+                .map(|slot| Block {
+                    at: layout.payload_start + slot * layout.initial_stride,
+                    size: layout.initial_stride,
+                    backed: true,
+                })
+                .collect(),
+            kept: Vec::new(),
+            free: Vec::new(),
+            stride: layout.initial_stride,
+            file_len: self.shared.header().file_len.load(Ordering::Acquire) as usize,
+            waiting_since: None,
         };
-        ShmWriter { ring, growth }
+        ShmWriter { ring, blocks }
     }
 
     /// The reading end of reader `index`.
@@ -454,25 +516,210 @@ fn map(fd: OwnedFd, layout: Layout, cfg: &ShmConfig) -> Result<Arc<ShmShared>, R
     }))
 }
 
-/// The writer's copy of the growth state (it is the only one to change it).
+/// A block: `size` bytes at `at` in the memfd, its header first.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    at: usize,
+    size: usize,
+    /// Whether its pages are allocated (false once its memory was punched out).
+    backed: bool,
+}
+
+impl Block {
+    fn payload(&self) -> usize {
+        self.at + BLOCK_HEADER
+    }
+
+    fn capacity(&self) -> usize {
+        self.size - BLOCK_HEADER
+    }
+}
+
+/// The writer's map of blocks (it alone allocates them and assigns them to slots).
 #[derive(Debug)]
-struct Growth {
-    region: u64,
-    stride: u64,
-    file_len: u64,
+struct Blocks {
+    /// The block of each slot.
+    current: Vec<Block>,
+    /// Blocks that left their slot while pinned; each is reused or given back once unpinned.
+    kept: Vec<Block>,
+    /// Unpinned blocks out of any slot, at least `stride` bytes each, ready for reuse.
+    free: Vec<Block>,
+    /// Size of new blocks.
+    stride: usize,
+    /// The memfd's length: new blocks are carved from here.
+    file_len: usize,
+    /// Set while every block is pinned and no room is left: when the writer started to wait.
+    waiting_since: Option<Instant>,
+}
+
+impl Blocks {
+    /// The block for the next message of `slot`: the slot's own when it is unpinned and big
+    /// enough, else another one (the slot's old block is kept while pinned).
+    fn ready(
+        &mut self,
+        shared: &Arc<ShmShared>,
+        slot: usize,
+        deadline: Option<Instant>,
+    ) -> Result<Block, RingError> {
+        let block = self.current[slot];
+        let pinned = super::ring::is_pinned(&shared.block(block.at, self.file_len).pins);
+        if !pinned && block.size >= self.stride {
+            return Ok(block);
+        }
+        if pinned {
+            // Kept from now on: `take` may hand it back (to this slot) once it is unpinned.
+            self.kept.push(block);
+        }
+        match self.take(shared, deadline) {
+            Ok(fresh) => {
+                if !pinned {
+                    // Smaller than the stride: never used again.
+                    shared.punch(block.at, block.size);
+                }
+                self.current[slot] = fresh;
+                Ok(fresh)
+            }
+            Err(err) => {
+                // The slot keeps its block: it must not stay in a list of blocks to hand out.
+                self.kept.retain(|b| b.at != block.at);
+                self.free.retain(|b| b.at != block.at);
+                // (Its header may have been punched out with its memory.)
+                shared
+                    .block(block.at, self.file_len)
+                    .size
+                    .store(block.size as u64, Ordering::Relaxed);
+                Err(err)
+            }
+        }
+    }
+
+    /// An unpinned block of `stride` bytes out of any slot: a spare one, or a new one at the
+    /// end of the memfd; waits while every block is pinned and the reservation is used up.
+    fn take(
+        &mut self,
+        shared: &Arc<ShmShared>,
+        deadline: Option<Instant>,
+    ) -> Result<Block, RingError> {
+        loop {
+            self.collect_unpinned(shared);
+            let backed_first = self.free.iter().position(|b| b.backed);
+            let spare = match backed_first {
+                Some(index) => Some(self.free.swap_remove(index)),
+                None => self.free.pop(),
+            };
+            if let Some(mut block) = spare {
+                if !block.backed {
+                    shared.populate(block.at, block.size, true)?;
+                    block.backed = true;
+                    shared
+                        .block(block.at, self.file_len)
+                        .size
+                        .store(block.size as u64, Ordering::Relaxed);
+                }
+                self.waiting_since = None;
+                return Ok(block);
+            }
+            if self.file_len + self.stride <= shared.layout.reserve {
+                self.waiting_since = None;
+                return self.carve(shared);
+            }
+            let since = *self.waiting_since.get_or_insert_with(|| {
+                tracing::warn!(
+                    blocks = self.kept.len(),
+                    "every block of a shared-memory channel is pinned by values its readers \
+                     keep; the writer waits until some are dropped"
+                );
+                Instant::now()
+            });
+            if shared.control().is_closed() {
+                return Err(RingError::Closed);
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(RingError::Timeout);
+            }
+            tracing::trace!(waited = ?since.elapsed(), "waiting for a pinned block");
+            std::thread::sleep(PINNED_POLL);
+        }
+    }
+
+    /// Moves the kept blocks that readers let go of to `free` (those still big enough; the
+    /// others give their memory back and are forgotten), and gives back the memory of free
+    /// blocks beyond one per slot.
+    fn collect_unpinned(&mut self, shared: &ShmShared) {
+        let (file_len, stride) = (self.file_len, self.stride);
+        let mut released = Vec::new();
+        self.kept.retain(|block| {
+            let pinned = super::ring::is_pinned(&shared.block(block.at, file_len).pins);
+            if !pinned {
+                released.push(*block);
+            }
+            pinned
+        });
+        self.free.extend(released);
+        self.free.retain(|block| {
+            let fits = block.size >= stride;
+            if !fits && block.backed {
+                shared.punch(block.at, block.size);
+            }
+            fits
+        });
+        for block in self.free.iter_mut().skip(shared.depth as usize) {
+            if block.backed {
+                shared.punch(block.at, block.size);
+                block.backed = false;
+            }
+        }
+    }
+
+    /// A new block of `stride` bytes at the end of the memfd, allocated and pre-faulted.
+    fn carve(&mut self, shared: &ShmShared) -> Result<Block, RingError> {
+        let block = Block {
+            at: self.file_len,
+            size: self.stride,
+            backed: true,
+        };
+        let file_len = block.at + block.size;
+        rustix::fs::ftruncate(&shared.fd, file_len as u64).map_err(io::Error::from)?;
+        // The file is longer from here on, whatever happens next: the next block starts after.
+        self.file_len = file_len;
+        shared.populate(block.at, block.size, true)?;
+        shared
+            .block(block.at, file_len)
+            .size
+            .store(block.size as u64, Ordering::Relaxed);
+        shared
+            .header()
+            .file_len
+            .store(file_len as u64, Ordering::Release);
+        Ok(block)
+    }
+
+    /// Raises the stride so that a message of `needed` bytes fits a new block.
+    fn grow(&mut self, shared: &ShmShared, needed: usize) {
+        let page = rustix::param::page_size();
+        self.stride = (2 * self.stride)
+            .max((needed + BLOCK_HEADER).next_multiple_of(page))
+            .min(shared.layout.max_stride);
+        shared
+            .header()
+            .stride
+            .store(self.stride as u64, Ordering::Release);
+        tracing::debug!(stride = self.stride, "shared-memory channel grew");
+    }
 }
 
 /// The writing end of a shared-memory channel. Dropping it closes the channel.
 #[derive(Debug)]
 pub(crate) struct ShmWriter {
     ring: RingWriter<Arc<ShmShared>>,
-    growth: Growth,
+    blocks: Blocks,
 }
 
 impl ShmWriter {
-    /// Writes one message of kind `tag`. `encode` gets the slot's payload buffer and returns
-    /// `Ok(bytes written)`, or `Err(bytes needed)` when the message does not fit; the writer
-    /// then grows the channel and calls it again. Waits for a free slot until `deadline`.
+    /// Writes one message of kind `tag`. `encode` gets the slot's payload buffer (64-byte
+    /// aligned) and returns `Ok(bytes written)`, or `Err(bytes needed)` when the message does
+    /// not fit; the writer then grows the channel and calls it again. Waits for a free slot
+    /// until `deadline`.
     ///
     /// A message over `max_message_bytes` fails with [`RingError::TooLarge`] and is not sent;
     /// the channel stays usable. `Err(n)` with `n` not above the buffer's length is a broken
@@ -486,26 +733,29 @@ impl ShmWriter {
         let seq = self.ring.reserve(deadline)?;
         let shared = self.ring.memory();
         let limit = shared.max_message_bytes;
-        let slot = seq % u64::from(shared.depth);
+        let slot = (seq % u64::from(shared.depth)) as usize;
         loop {
-            let offset = (self.growth.region + slot * self.growth.stride) as usize;
-            let capacity = (self.growth.stride as usize).min(limit);
+            let block = self.blocks.ready(shared, slot, deadline)?;
+            let capacity = block.capacity().min(limit);
             assert!(
-                offset + capacity <= self.growth.file_len as usize,
-                "slot out of the file"
+                block.payload() + capacity <= self.blocks.file_len,
+                "block out of the file"
             );
             // SAFETY: the range is inside the mapping and the file (asserted; the reservation
-            // covers every region, the memfd never shrinks). Slot `seq % depth` is the
-            // writer's alone until it publishes: `reserve` saw every reader release its
-            // previous message (acquire), and readers reach this region only through the
-            // slot's meta, which still points at the older message until the publish below.
+            // covers every block, the memfd never shrinks). Nobody else touches it until the
+            // publish below: `reserve` saw every reader release the slot's previous message
+            // (acquire), `ready` saw the block unpinned (acquire), and readers reach a block
+            // only through a slot's meta (this slot's still names the older message) or a pin.
             let buffer = unsafe {
-                std::slice::from_raw_parts_mut(shared.map.as_mut_ptr().add(offset), capacity)
+                std::slice::from_raw_parts_mut(
+                    shared.map.as_mut_ptr().add(block.payload()),
+                    capacity,
+                )
             };
             match encode(buffer) {
                 Ok(len) if len <= capacity => {
                     let meta = shared.slot(seq);
-                    meta.offset.store(offset as u64, Ordering::Relaxed);
+                    meta.offset.store(block.payload() as u64, Ordering::Relaxed);
                     meta.len.store(len as u64, Ordering::Relaxed);
                     meta.tag.store(u32::from(tag), Ordering::Relaxed);
                     self.ring.publish();
@@ -527,41 +777,9 @@ impl ShmWriter {
                         "encoder asked for {needed} bytes but was given {capacity}"
                     )));
                 }
-                Err(needed) => self.growth.grow(shared, needed)?,
+                Err(needed) => self.blocks.grow(shared, needed),
             }
         }
-    }
-}
-
-impl Growth {
-    /// Gives every slot a new payload region of at least `needed` bytes at the end of the
-    /// memfd, allocated and pre-faulted before any message uses it.
-    fn grow(&mut self, shared: &ShmShared, needed: usize) -> Result<(), RingError> {
-        let page = rustix::param::page_size();
-        let stride = (2 * self.stride as usize)
-            .max(needed.next_multiple_of(page))
-            .min(shared.layout.max_stride);
-        let region = self.file_len as usize;
-        let depth = shared.depth as usize;
-        let file_len = region + depth * stride;
-        if file_len > shared.layout.reserve {
-            return Err(RingError::Corrupt(format!(
-                "growth to {file_len} bytes exceeds the {} reserved",
-                shared.layout.reserve
-            )));
-        }
-        rustix::fs::ftruncate(&shared.fd, file_len as u64).map_err(io::Error::from)?;
-        // The file is longer from here on, whatever happens next: the next growth starts after.
-        self.file_len = file_len as u64;
-        shared.populate(region, depth * stride, true)?;
-        let header = shared.header();
-        header.file_len.store(file_len as u64, Ordering::Release);
-        header.region.store(region as u64, Ordering::Release);
-        header.stride.store(stride as u64, Ordering::Release);
-        self.region = region as u64;
-        self.stride = stride as u64;
-        tracing::debug!(stride, file_len, "shared-memory channel grew");
-        Ok(())
     }
 }
 
@@ -588,22 +806,9 @@ impl ShmReader {
         Ok(ShmFrame {
             tag,
             data,
+            offset,
             reader: &mut self.ring,
             seq,
-        })
-    }
-
-    /// Like [`read`](Self::read), but the message stays readable (and its slot taken) until
-    /// the returned lease is dropped, on any thread, while this reader goes on reading. A lease
-    /// kept for long stalls the writer once it comes around the ring to that slot.
-    #[allow(dead_code)] // Zero-copy byte payloads (integration).
-    pub fn read_owned(&mut self, deadline: Option<Instant>) -> Result<ShmLease, RingError> {
-        let (seq, tag, offset, len) = self.next(deadline)?;
-        Ok(ShmLease {
-            tag,
-            offset,
-            len,
-            lease: self.ring.lease(seq),
         })
     }
 
@@ -630,7 +835,8 @@ impl ShmReader {
         let tag = meta.tag.load(Ordering::Relaxed);
         let file_len = shared.header().file_len.load(Ordering::Acquire);
         let end = offset.checked_add(len);
-        let in_bounds = offset >= shared.layout.payload_start as u64
+        let in_bounds = offset >= (shared.layout.payload_start + BLOCK_HEADER) as u64
+            && offset % BLOCK_HEADER as u64 == 0
             && end.is_some_and(|end| end <= file_len && end <= shared.map.len() as u64)
             && len <= shared.max_message_bytes as u64;
         let (Some(end), true, Ok(tag)) = (end, in_bounds, u8::try_from(tag)) else {
@@ -662,6 +868,8 @@ impl ShmReader {
 pub(crate) struct ShmFrame<'a> {
     pub tag: u8,
     data: &'a [u8],
+    /// Where `data` starts in the mapping: right after its block's header.
+    offset: usize,
     reader: &'a mut RingReader<Arc<ShmShared>>,
     seq: u64,
 }
@@ -670,6 +878,30 @@ impl ShmFrame<'_> {
     /// The payload, in shared memory.
     pub fn data(&self) -> &[u8] {
         self.data
+    }
+
+    /// The payload bytes of the block this frame is in: what a [pin](Self::pin) keeps.
+    pub fn block_capacity(&self) -> usize {
+        let block = self
+            .reader
+            .memory()
+            .block(self.offset - BLOCK_HEADER, self.offset);
+        (block.size.load(Ordering::Relaxed) as usize).saturating_sub(BLOCK_HEADER)
+    }
+
+    /// Keeps the payload readable, in place, after this frame releases its slot, until the
+    /// pin is dropped (on any thread). The writer moves the slot to another block meanwhile.
+    pub fn pin(&self) -> ShmPin {
+        let shared = self.reader.memory().clone();
+        let block = self.offset - BLOCK_HEADER;
+        let end = self.offset + self.data.len();
+        // Before the slot's release (in this frame's drop): see `ring::pin`.
+        super::ring::pin(&shared.block(block, end).pins);
+        ShmPin {
+            shared,
+            block,
+            len: self.data.len(),
+        }
     }
 }
 
@@ -689,32 +921,39 @@ impl Drop for ShmFrame<'_> {
     }
 }
 
-/// A message read in place that keeps its slot, and the mapping, until dropped. `Send` and
-/// `AsRef<[u8]>`, so it can back a zero-copy `bytes::Bytes` (`Bytes::from_owner`).
-#[allow(dead_code)] // Zero-copy byte payloads (integration).
+/// The payload of a message kept readable in place after its slot was released: its block
+/// stays pinned, and the mapping alive, until this is dropped. `Send` and `AsRef<[u8]>`, so
+/// it can back a zero-copy `bytes::Bytes` (`Bytes::from_owner`).
 #[derive(Debug)]
-pub(crate) struct ShmLease {
-    pub tag: u8,
-    offset: usize,
+pub(crate) struct ShmPin {
+    shared: Arc<ShmShared>,
+    /// The block's offset; the payload follows its header.
+    block: usize,
     len: usize,
-    lease: RingLease<Arc<ShmShared>>,
 }
 
-#[allow(dead_code)] // Zero-copy byte payloads (integration).
-impl ShmLease {
+impl ShmPin {
     /// The payload, in shared memory.
     pub fn data(&self) -> &[u8] {
-        let shared = self.lease.memory();
-        // SAFETY: as in `ShmReader::read`: the range was checked against the mapping and the
-        // file, and the slot stays unwritten until `self.lease` releases it on drop; the lease
-        // holds an `Arc` of the mapping, and the slice borrows `self`.
-        unsafe { std::slice::from_raw_parts(shared.map.as_ptr().add(self.offset), self.len) }
+        let offset = self.block + BLOCK_HEADER;
+        // SAFETY: `ShmReader::locate` checked the range against the mapping and the file (which
+        // never shrinks) when the frame was read; the writer writes this block again only
+        // once it is unpinned, which happens in `drop`. The pin holds an `Arc` of the mapping,
+        // and the slice borrows `self`.
+        unsafe { std::slice::from_raw_parts(self.shared.map.as_ptr().add(offset), self.len) }
     }
 }
 
-impl AsRef<[u8]> for ShmLease {
+impl AsRef<[u8]> for ShmPin {
     fn as_ref(&self) -> &[u8] {
         self.data()
+    }
+}
+
+impl Drop for ShmPin {
+    fn drop(&mut self) {
+        let end = self.block + BLOCK_HEADER + self.len;
+        super::ring::unpin(&self.shared.block(self.block, end).pins);
     }
 }
 
@@ -852,11 +1091,11 @@ mod tests {
         send::<ShmChannel>();
         send::<ShmWriter>();
         send::<ShmReader>();
-        send::<ShmLease>();
+        send::<ShmPin>();
         send::<ShmFrame<'static>>();
     }
 
-    /// Four readers (one through its own mapping from `open`, one keeping leases) check every
+    /// Four readers (one through its own mapping from `open`, one keeping pins) check every
     /// message, in order, while messages of growing size force the channel to grow.
     #[test]
     fn many_readers_see_every_message_in_order_across_growths() {
@@ -871,17 +1110,17 @@ mod tests {
                         _ => channel.reader(index),
                     };
                     thread::spawn(move || {
-                        let mut leases = Vec::new();
+                        let mut pins = Vec::new();
                         for expected in 0..MESSAGES {
                             if index == 2 {
-                                let lease = reader.read_owned(None).unwrap();
-                                assert_eq!(lease.data().len(), message_len(expected));
-                                assert_eq!(check(lease.data()), expected);
-                                // Keep the last two: they must stay intact while the writer
-                                // goes on (and grows) around them.
-                                leases.push(lease);
-                                if leases.len() > 2 {
-                                    let oldest = leases.remove(0);
+                                let pin = reader.read(None).unwrap().pin();
+                                assert_eq!(pin.data().len(), message_len(expected));
+                                assert_eq!(check(pin.data()), expected);
+                                // Keep the last six (more than the ring's depth): they must
+                                // stay intact while the writer goes on (and grows) around them.
+                                pins.push(pin);
+                                if pins.len() > 6 {
+                                    let oldest = pins.remove(0);
                                     check(oldest.data());
                                 }
                             } else {
@@ -893,8 +1132,8 @@ mod tests {
                                 assert_eq!(check(frame.data()), expected);
                             }
                         }
-                        leases.iter().for_each(|lease| _ = check(lease.data()));
-                        drop(leases);
+                        pins.iter().for_each(|pin| _ = check(pin.data()));
+                        drop(pins);
                         assert!(matches!(reader.read(None), Err(RingError::Closed)));
                     })
                 })
@@ -1032,26 +1271,99 @@ mod tests {
         });
     }
 
+    /// Pinned payloads stay intact, in place, while the writer laps the ring many times (and
+    /// grows) without waiting for them; once dropped, their blocks are reused rather than the
+    /// memfd growing for ever.
     #[test]
-    fn a_lease_survives_growth_and_later_reads() {
+    fn pins_survive_laps_and_growth_without_stalling_the_writer() {
         with_watchdog(WATCHDOG, || {
-            let channel = ShmChannel::create(&config(3, 1, 64, 1 << 20), "lease").unwrap();
+            let channel = ShmChannel::create(&config(2, 1, 64, 1 << 20), "pin").unwrap();
             let (mut writer, mut reader) = (channel.writer(), channel.reader(0));
-            send(&mut writer, 0, 1000, None).unwrap();
-            let kept = reader.read_owned(None).unwrap();
-            send(&mut writer, 1, 500 << 10, None).unwrap(); // grows
-            send(&mut writer, 2, 100, None).unwrap();
-            assert_eq!(check(reader.read(None).unwrap().data()), 1);
-            assert_eq!(check(reader.read(None).unwrap().data()), 2);
-            // Slot 0 is still held: the ring is full until the lease goes.
+            let mut pins = Vec::new();
+            for seq in 0..40 {
+                let len = if seq == 20 { 300 << 10 } else { 1000 };
+                send(&mut writer, seq, len, after(1000)).unwrap();
+                let frame = reader.read(after(1000)).unwrap();
+                if seq % 4 == 0 {
+                    pins.push(frame.pin());
+                }
+            }
+            // A pin read on another thread, after the slot moved on many times.
+            let first = pins.remove(0);
+            assert_eq!(
+                thread::spawn(move || check(first.data())).join().unwrap(),
+                0
+            );
+            for (kept, pin) in (1..).zip(&pins) {
+                assert_eq!(check(pin.data()), kept * 4);
+            }
+            drop(pins);
+            let file_len = channel.shared.header().file_len.load(Ordering::Acquire);
+            for seq in 40..400 {
+                send(&mut writer, seq, 1000, after(1000)).unwrap();
+                let pin = reader.read(after(1000)).unwrap().pin();
+                assert_eq!(check(pin.data()), seq);
+            }
+            assert_eq!(
+                channel.shared.header().file_len.load(Ordering::Acquire),
+                file_len,
+                "blocks given up were not reused"
+            );
+        });
+    }
+
+    /// The writer waits for a pinned block only once the channel's address space is used
+    /// up, and then until a pin goes, its deadline passes or the channel closes.
+    #[test]
+    fn a_writer_out_of_room_waits_for_a_pin_to_go() {
+        with_watchdog(WATCHDOG, || {
+            // One slot with blocks of one page, and room for 8 blocks of the ceiling (4 KiB
+            // and a header: two pages): 16 blocks of one page in all.
+            let channel = ShmChannel::create(&config(1, 1, 64, 4096), "out-of-room").unwrap();
+            let (mut writer, mut reader) = (channel.writer(), channel.reader(0));
+            let room = channel.shared.layout.reserve - channel.shared.layout.payload_start;
+            let blocks = room / channel.shared.layout.initial_stride;
+            let mut pins = Vec::new();
+            for seq in 0..blocks as u64 {
+                send(&mut writer, seq, 100, after(1000)).unwrap();
+                pins.push(reader.read(after(1000)).unwrap().pin());
+            }
+            let start = Instant::now();
+            let next = blocks as u64;
             assert!(matches!(
-                send(&mut writer, 3, 16, after(20)),
+                send(&mut writer, next, 100, after(50)),
                 Err(RingError::Timeout)
             ));
-            let kept = thread::spawn(move || check(kept.as_ref())).join().unwrap();
-            assert_eq!(kept, 0);
-            send(&mut writer, 3, 16, after(1000)).unwrap();
-            assert_eq!(check(reader.read(None).unwrap().data()), 3);
+            assert!(start.elapsed() >= Duration::from_millis(50));
+            // A pin dropped on another thread lets the blocked writer go on.
+            let third = pins.remove(3);
+            let dropper = thread::spawn(move || {
+                thread::sleep(Duration::from_millis(30));
+                drop(third);
+            });
+            send(&mut writer, next, 100, after(5000)).unwrap();
+            dropper.join().unwrap();
+            assert_eq!(check(reader.read(after(1000)).unwrap().data()), next);
+            for (seq, pin) in (0..).filter(|s| *s != 3).zip(&pins) {
+                assert_eq!(check(pin.data()), seq);
+            }
+            // Out of room again; this time the pin of the slot's own block goes.
+            send(&mut writer, next + 1, 100, after(1000)).unwrap();
+            let latest = reader.read(after(1000)).unwrap().pin();
+            let dropper = thread::spawn(move || {
+                thread::sleep(Duration::from_millis(30));
+                drop(latest);
+            });
+            send(&mut writer, next + 2, 100, after(5000)).unwrap();
+            dropper.join().unwrap();
+            assert_eq!(check(reader.read(after(1000)).unwrap().data()), next + 2);
+            // Out of room again, with no deadline: the close wakes the writer.
+            send(&mut writer, next + 3, 100, after(1000)).unwrap();
+            pins.push(reader.read(after(1000)).unwrap().pin());
+            let blocked = thread::spawn(move || send(&mut writer, next + 4, 100, None));
+            thread::sleep(Duration::from_millis(30));
+            channel.close();
+            assert!(matches!(blocked.join().unwrap(), Err(RingError::Closed)));
         });
     }
 

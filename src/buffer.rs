@@ -1,0 +1,152 @@
+//! [`Buffer`]: bytes that cross processes without re-encoding and are read in place.
+use crate::channel::oob;
+use bytes::Bytes;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::fmt;
+use std::ops::Deref;
+
+/// An immutable byte buffer for graph values: cheap to clone, copied once into shared memory
+/// when it crosses processes, and read there in place (zero copy).
+///
+/// Use it for large byte payloads (images, serialized blobs, raw arrays) in place of
+/// `Vec<u8>`, which serde encodes byte by byte. Between processes a buffer of at least 16 KiB
+/// travels beside the value's encoding, 64-byte aligned; the reading actor (or the driver)
+/// gets a `Buffer` that points into the channel's shared memory. Keeping it is fine: the writer
+/// moves on to other memory meanwhile, and the shared memory is freed when the last clone is
+/// dropped. A buffer smaller than a quarter of its channel's slot is copied on reading instead,
+/// so that a kept buffer never holds more than 4 × its size of shared memory. Within one
+/// process a buffer moves without any copy.
+///
+/// # Example
+///
+/// ```
+/// use adag::{Buffer, CompileOptions, Dag, Placement, Runtime};
+///
+/// struct Checksum;
+///
+/// #[adag::actor]
+/// impl Checksum {
+///     pub fn new() -> Self {
+///         Checksum
+///     }
+///     pub fn sum(&mut self, data: Buffer) -> u64 {
+///         data.iter().map(|&b| u64::from(b)).sum()
+///     }
+/// }
+///
+/// # fn main() -> adag::Result<()> {
+/// let rt = Runtime::new()?;
+/// let actor = rt.spawn::<Checksum>(Placement::Process, ())?;
+/// let dag = Dag::<Buffer>::new();
+/// let graph = dag.compile(actor.sum(dag.input()), CompileOptions::default())?;
+/// let data = Buffer::from(vec![1u8; 1 << 20]);
+/// assert_eq!(graph.execute(data)?.get()?, 1 << 20);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Buffer(Bytes);
+
+impl Buffer {
+    /// An empty buffer.
+    pub fn new() -> Self {
+        Buffer(Bytes::new())
+    }
+
+    /// A buffer holding a copy of `data`.
+    pub fn copy_from_slice(data: &[u8]) -> Self {
+        Buffer(Bytes::copy_from_slice(data))
+    }
+
+    /// The bytes, as a [`bytes::Bytes`] sharing this buffer's memory.
+    pub fn into_bytes(self) -> Bytes {
+        self.0
+    }
+
+    /// The bytes, as a [`bytes::Bytes`] sharing this buffer's memory.
+    pub fn as_bytes(&self) -> &Bytes {
+        &self.0
+    }
+}
+
+impl Deref for Buffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl AsRef<[u8]> for Buffer {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::borrow::Borrow<[u8]> for Buffer {
+    fn borrow(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl From<Vec<u8>> for Buffer {
+    /// Takes the vector without copying.
+    fn from(v: Vec<u8>) -> Self {
+        Buffer(Bytes::from(v))
+    }
+}
+
+impl From<Bytes> for Buffer {
+    fn from(b: Bytes) -> Self {
+        Buffer(b)
+    }
+}
+
+impl From<&'static [u8]> for Buffer {
+    fn from(b: &'static [u8]) -> Self {
+        Buffer(Bytes::from_static(b))
+    }
+}
+
+impl From<Buffer> for Bytes {
+    fn from(b: Buffer) -> Self {
+        b.0
+    }
+}
+
+impl From<Buffer> for Vec<u8> {
+    fn from(b: Buffer) -> Self {
+        Vec::from(b.0)
+    }
+}
+
+impl PartialEq<[u8]> for Buffer {
+    fn eq(&self, other: &[u8]) -> bool {
+        self.0 == other
+    }
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const SHOWN: usize = 16;
+        write!(f, "Buffer({} bytes", self.len())?;
+        if !self.is_empty() {
+            write!(f, ": {:02x?}", &self[..self.len().min(SHOWN)])?;
+            if self.len() > SHOWN {
+                f.write_str(" ...")?;
+            }
+        }
+        f.write_str(")")
+    }
+}
+
+impl Serialize for Buffer {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        oob::serialize_bytes(&self.0, serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Buffer {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        oob::deserialize_bytes(deserializer).map(Buffer)
+    }
+}

@@ -1,0 +1,443 @@
+//! The frame of a value on a shared-memory edge, with large byte strings *out of band*.
+//!
+//! A value is encoded with postcard, except the byte strings of [`Buffer`](crate::Buffer)s and
+//! [`Tensor`](crate::Tensor)s of at least [`OUT_OF_BAND_MIN`] bytes: those are copied once,
+//! 64-byte aligned, after the encoding, and the encoding refers to them by index. A reader then
+//! hands them to the decoded value in place, as [`Bytes`] over the pinned shared memory (zero
+//! copy), without stalling the writer (see [`shm`](super::shm)'s pins).
+//!
+//! ```text
+//! 0        body length n (u64, little endian)
+//! 8        attachments k (u64)
+//! 16       body: the value in postcard (n bytes)
+//! 16 + n   table: k × (offset, length) (u64 pairs); offsets from the frame's start
+//! ...      attachments, each 64-byte aligned
+//! ```
+//!
+//! Encoders and decoders find the attachments through a thread-local scope that the frame
+//! functions open around postcard, so serde impls need no extra arguments and a value encoded
+//! anywhere else (a one-off call, a user's own serializer) simply carries its bytes inline.
+use super::shm::ShmFrame;
+use bytes::Bytes;
+use serde::de::{self, DeserializeOwned, Deserializer, Visitor};
+use serde::ser::Serializer;
+use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::fmt;
+
+/// Byte strings at least this long travel out of band; shorter ones are cheaper inline.
+pub(crate) const OUT_OF_BAND_MIN: usize = 16 * 1024;
+
+/// A reader keeps an attachment in place only if it fills at least this fraction of its block:
+/// a value kept by the user then never holds more than 4 × its size of shared memory. Smaller
+/// attachments are copied.
+const IN_PLACE_MIN_FILL: usize = 4;
+
+const HEADER: usize = 16;
+const TABLE_ENTRY: usize = 16;
+const ALIGN: usize = 64;
+
+thread_local! {
+    /// While a frame is encoded on this thread: the attachments so far.
+    static ENCODING: RefCell<Option<Vec<Bytes>>> = const { RefCell::new(None) };
+    /// While a frame is decoded on this thread: its attachments, by index.
+    static DECODING: RefCell<Option<Vec<Bytes>>> = const { RefCell::new(None) };
+}
+
+/// Opens a scope on `key` holding `value`; the previous state comes back on drop (also when
+/// a serde impl panics), so scopes nest.
+struct Scope {
+    key: &'static std::thread::LocalKey<RefCell<Option<Vec<Bytes>>>>,
+    previous: Option<Vec<Bytes>>,
+}
+
+impl Scope {
+    fn open(
+        key: &'static std::thread::LocalKey<RefCell<Option<Vec<Bytes>>>>,
+        value: Vec<Bytes>,
+    ) -> Self {
+        let previous = key.with(|cell| cell.replace(Some(value)));
+        Scope { key, previous }
+    }
+
+    /// Empties the scope's list (a failed attempt is encoded again).
+    fn reset(&self) {
+        self.key.with(|cell| {
+            if let Some(list) = cell.borrow_mut().as_mut() {
+                list.clear();
+            }
+        });
+    }
+
+    fn take(&self) -> Vec<Bytes> {
+        self.key
+            .with(|cell| cell.borrow_mut().as_mut().map(std::mem::take))
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        let previous = self.previous.take();
+        self.key.with(|cell| *cell.borrow_mut() = previous);
+    }
+}
+
+/// How a byte string is written: inline, or as the index of an attachment.
+#[derive(Serialize)]
+enum Wire<'a> {
+    Inline(#[serde(with = "serde_bytes")] &'a [u8]),
+    Attached(u32),
+}
+
+/// Serializes `bytes` out of band when a frame is being encoded and they are large enough,
+/// else inline.
+pub(crate) fn serialize_bytes<S: Serializer>(
+    bytes: &Bytes,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    let index = if bytes.len() >= OUT_OF_BAND_MIN {
+        ENCODING.with(|cell| {
+            cell.borrow_mut().as_mut().map(|list| {
+                list.push(bytes.clone());
+                list.len() as u32 - 1
+            })
+        })
+    } else {
+        None
+    };
+    match index {
+        Some(index) => Wire::Attached(index).serialize(serializer),
+        None => Wire::Inline(bytes.as_ref()).serialize(serializer),
+    }
+}
+
+/// Deserializes what [`serialize_bytes`] wrote: an attachment of the frame being decoded (in
+/// place when it is), or inline bytes copied to the heap.
+/// Also reads a plain byte string or a sequence of bytes.
+pub(crate) fn deserialize_bytes<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Bytes, D::Error> {
+    struct WireVisitor;
+    impl<'de> Visitor<'de> for WireVisitor {
+        type Value = Bytes;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a byte string, inline or out of band")
+        }
+        fn visit_enum<A: de::EnumAccess<'de>>(self, data: A) -> Result<Bytes, A::Error> {
+            use de::VariantAccess;
+            #[derive(Deserialize)]
+            enum Kind {
+                Inline,
+                Attached,
+            }
+            let (kind, variant) = data.variant::<Kind>()?;
+            match kind {
+                Kind::Inline => variant.newtype_variant_seed(InlineSeed),
+                Kind::Attached => {
+                    let index: u32 = variant.newtype_variant()?;
+                    attachment(index).map_err(de::Error::custom)
+                }
+            }
+        }
+        fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Bytes, E> {
+            Ok(heap_copy(v))
+        }
+        fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<Bytes, A::Error> {
+            InlineVisitor.visit_seq(seq)
+        }
+    }
+    deserializer.deserialize_enum("Wire", &["Inline", "Attached"], WireVisitor)
+}
+
+struct InlineSeed;
+
+impl<'de> de::DeserializeSeed<'de> for InlineSeed {
+    type Value = Bytes;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Bytes, D::Error> {
+        d.deserialize_bytes(InlineVisitor)
+    }
+}
+
+struct InlineVisitor;
+
+impl<'de> Visitor<'de> for InlineVisitor {
+    type Value = Bytes;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a byte string")
+    }
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Bytes, E> {
+        Ok(heap_copy(v))
+    }
+    fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Bytes, E> {
+        Ok(Bytes::from(v))
+    }
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Bytes, A::Error> {
+        let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 20));
+        while let Some(b) = seq.next_element::<u8>()? {
+            v.push(b);
+        }
+        self.visit_byte_buf(v)
+    }
+}
+
+/// A copy of `data` on the heap. One allocation, not zeroed: the allocator's alignment (16
+/// bytes with glibc) suits every tensor dtype, and a tensor made from a less aligned buffer
+/// copies it again (`Tensor::from_bytes`), so alignment is never wrong, only rarely slower.
+pub(crate) fn heap_copy(data: &[u8]) -> Bytes {
+    Bytes::copy_from_slice(data)
+}
+
+fn attachment(index: u32) -> Result<Bytes, String> {
+    DECODING.with(|cell| match cell.borrow().as_ref() {
+        None => Err(format!(
+            "attachment {index} referred to outside of a shared-memory frame"
+        )),
+        Some(list) => list.get(index as usize).cloned().ok_or_else(|| {
+            format!(
+                "attachment {index} of a frame with {} attachments",
+                list.len()
+            )
+        }),
+    })
+}
+
+/// Why a value could not be encoded into a buffer.
+#[derive(Debug)]
+pub(crate) enum EncodeError {
+    /// The frame needs this many bytes.
+    TooSmall(usize),
+    /// The value cannot be encoded at all.
+    Failed(postcard::Error),
+}
+
+/// Where the table and each attachment of a frame go; returns the frame's total length.
+fn place(body: usize, attachments: &[Bytes], mut at: impl FnMut(usize, usize)) -> usize {
+    let table = HEADER + body;
+    let mut end = table + attachments.len() * TABLE_ENTRY;
+    for (index, data) in attachments.iter().enumerate() {
+        let offset = end.next_multiple_of(ALIGN);
+        at(index, offset);
+        end = offset + data.len();
+    }
+    end
+}
+
+/// Encodes `value` as a frame into `buf`; returns the frame's length.
+pub(crate) fn encode<T: Serialize + ?Sized>(
+    value: &T,
+    buf: &mut [u8],
+) -> Result<usize, EncodeError> {
+    let scope = Scope::open(&ENCODING, Vec::new());
+    let body = match buf.get_mut(HEADER..) {
+        Some(room) => match postcard::to_slice(value, room) {
+            Ok(body) => Some(body.len()),
+            Err(postcard::Error::SerializeBufferFull) => None,
+            Err(e) => return Err(EncodeError::Failed(e)),
+        },
+        None => None,
+    };
+    let Some(body) = body else {
+        scope.reset();
+        let body = postcard::experimental::serialized_size(value).map_err(EncodeError::Failed)?;
+        let attachments = scope.take();
+        return Err(EncodeError::TooSmall(place(body, &attachments, |_, _| ())));
+    };
+    let attachments = scope.take();
+    drop(scope);
+    let total = place(body, &attachments, |_, _| ());
+    if total > buf.len() {
+        return Err(EncodeError::TooSmall(total));
+    }
+    buf[..8].copy_from_slice(&(body as u64).to_le_bytes());
+    buf[8..HEADER].copy_from_slice(&(attachments.len() as u64).to_le_bytes());
+    let table = HEADER + body;
+    place(body, &attachments, |index, offset| {
+        let data = &attachments[index];
+        let entry = table + index * TABLE_ENTRY;
+        buf[entry..entry + 8].copy_from_slice(&(offset as u64).to_le_bytes());
+        buf[entry + 8..entry + TABLE_ENTRY].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        buf[offset..offset + data.len()].copy_from_slice(data);
+    });
+    Ok(total)
+}
+
+/// A frame's parts, checked against its length.
+struct Parts<'a> {
+    body: &'a [u8],
+    /// (offset, length) of each attachment.
+    table: Vec<(usize, usize)>,
+}
+
+fn word(data: &[u8], at: usize) -> Option<usize> {
+    let bytes = data.get(at..at + 8)?;
+    usize::try_from(u64::from_le_bytes(bytes.try_into().ok()?)).ok()
+}
+
+fn parts(data: &[u8]) -> Result<Parts<'_>, String> {
+    let broken = |what: &str| format!("a broken frame of {} bytes: {what}", data.len());
+    let body_len = word(data, 0).ok_or_else(|| broken("no header"))?;
+    let count = word(data, 8).ok_or_else(|| broken("no header"))?;
+    let table_at = HEADER
+        .checked_add(body_len)
+        .filter(|end| *end <= data.len())
+        .ok_or_else(|| broken("the body runs past the end"))?;
+    let table_len = count
+        .checked_mul(TABLE_ENTRY)
+        .filter(|len| *len <= data.len() - table_at)
+        .ok_or_else(|| broken("the table runs past the end"))?;
+    let table = (0..count)
+        .map(|index| {
+            let entry = table_at + index * TABLE_ENTRY;
+            let (offset, len) = (word(data, entry), word(data, entry + 8));
+            match (offset, len) {
+                (Some(offset), Some(len))
+                    if offset >= table_at + table_len
+                        && offset.checked_add(len).is_some_and(|end| end <= data.len()) =>
+                {
+                    Ok((offset, len))
+                }
+                _ => Err(broken(&format!(
+                    "attachment {index} lies outside the frame"
+                ))),
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Parts {
+        body: &data[HEADER..table_at],
+        table,
+    })
+}
+
+/// Decodes a frame read from shared memory. Large attachments are handed to the value in
+/// place, pinning the frame's block for as long as the value keeps them.
+pub(crate) fn decode<T: DeserializeOwned>(frame: &ShmFrame<'_>) -> Result<T, String> {
+    let data = frame.data();
+    let Parts { body, table } = parts(data)?;
+    if table.is_empty() {
+        return postcard::from_bytes(body).map_err(|e| e.to_string());
+    }
+    let capacity = frame.block_capacity();
+    let in_place = |len: usize| len >= OUT_OF_BAND_MIN && len * IN_PLACE_MIN_FILL >= capacity;
+    let pinned = table
+        .iter()
+        .any(|(_, len)| in_place(*len))
+        .then(|| Bytes::from_owner(frame.pin()));
+    let attachments = table
+        .iter()
+        .map(|&(offset, len)| match &pinned {
+            Some(whole) if in_place(len) => whole.slice(offset..offset + len),
+            _ => heap_copy(&data[offset..offset + len]),
+        })
+        .collect();
+    let _scope = Scope::open(&DECODING, attachments);
+    postcard::from_bytes(body).map_err(|e| e.to_string())
+}
+
+/// Decodes a frame held in ordinary memory (tests): attachments are copied.
+#[cfg(all(test, not(loom)))]
+pub(crate) fn decode_slice<T: DeserializeOwned>(data: &[u8]) -> Result<T, String> {
+    let Parts { body, table } = parts(data)?;
+    let attachments = table
+        .iter()
+        .map(|&(offset, len)| heap_copy(&data[offset..offset + len]))
+        .collect();
+    let _scope = Scope::open(&DECODING, attachments);
+    postcard::from_bytes(body).map_err(|e| e.to_string())
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::{Buffer, Tensor};
+
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Mixed {
+        small: Buffer,
+        large: Buffer,
+        tensor: Tensor,
+        label: String,
+    }
+
+    fn mixed() -> Mixed {
+        Mixed {
+            small: Buffer::from(vec![1u8; 100]),
+            large: Buffer::from((0..100_000u32).map(|i| i as u8).collect::<Vec<_>>()),
+            tensor: Tensor::from_vec((0..9_000).map(|i| i as f64).collect(), [90, 100]).unwrap(),
+            label: "mixed".into(),
+        }
+    }
+
+    /// Encodes into a buffer of exactly the size the encoder asks for.
+    fn encode_fitted<T: Serialize>(value: &T) -> Vec<u8> {
+        let needed = match encode(value, &mut []) {
+            Err(EncodeError::TooSmall(needed)) => needed,
+            other => panic!("an empty buffer should be too small: {other:?}"),
+        };
+        let mut buf = vec![0; needed];
+        assert_eq!(encode(value, &mut buf).unwrap(), needed);
+        // One byte less does not fit, and says so with the same size.
+        let mut short = vec![0; needed - 1];
+        assert!(matches!(encode(value, &mut short), Err(EncodeError::TooSmall(n)) if n == needed));
+        buf
+    }
+
+    #[test]
+    fn large_byte_strings_travel_out_of_band_aligned() {
+        let value = mixed();
+        let frame = encode_fitted(&value);
+        let Parts { body, table } = parts(&frame).unwrap();
+        // The large buffer and the tensor's 72,000 bytes; the small buffer is inline.
+        assert_eq!(table.len(), 2, "{table:?}");
+        assert!(body.len() < 200, "body of {} bytes", body.len());
+        assert_eq!(table[0].1, 100_000);
+        assert_eq!(table[1].1, 72_000);
+        assert!(table.iter().all(|(offset, _)| offset % ALIGN == 0));
+        assert_eq!(&frame[table[0].0..][..100_000], &value.large[..]);
+        assert_eq!(decode_slice::<Mixed>(&frame).unwrap(), value);
+    }
+
+    #[test]
+    fn values_without_large_bytes_have_no_attachments() {
+        let value = (7u64, Buffer::from(vec![3u8; 10]), "x".to_string());
+        let frame = encode_fitted(&value);
+        assert!(parts(&frame).unwrap().table.is_empty());
+        assert_eq!(
+            decode_slice::<(u64, Buffer, String)>(&frame).unwrap(),
+            value
+        );
+    }
+
+    #[test]
+    fn an_attachment_index_outside_a_frame_is_an_error() {
+        let attached = postcard::to_stdvec(&Wire::Attached(0)).unwrap();
+        let err = postcard::from_bytes::<Buffer>(&attached).unwrap_err();
+        assert!(matches!(err, postcard::Error::SerdeDeCustom), "{err:?}");
+        // Inside a frame, an index past its table.
+        let mut frame = Vec::new();
+        frame.extend((attached.len() as u64).to_le_bytes());
+        frame.extend(0u64.to_le_bytes());
+        frame.extend(&attached);
+        // (postcard keeps no custom message: the error is its generic one.)
+        assert!(decode_slice::<Buffer>(&frame).is_err());
+        frame[8..16].copy_from_slice(&1u64.to_le_bytes());
+        assert!(
+            decode_slice::<Buffer>(&frame).is_err(),
+            "a table past the frame's end"
+        );
+    }
+
+    #[test]
+    fn scopes_nest_and_end_with_a_panic() {
+        let outer = Scope::open(&ENCODING, Vec::new());
+        let result = std::panic::catch_unwind(|| {
+            let _inner = Scope::open(&DECODING, vec![Bytes::from_static(b"x")]);
+            panic!("a serde impl panics");
+        });
+        assert!(result.is_err());
+        assert!(DECODING.with(|cell| cell.borrow().is_none()));
+        assert!(ENCODING.with(|cell| cell.borrow().is_some()));
+        drop(outer);
+        assert!(ENCODING.with(|cell| cell.borrow().is_none()));
+    }
+}

@@ -1,0 +1,238 @@
+//! Zero-copy reads: large [`Buffer`]s and tensors that cross processes are read in place from
+//! the channel's shared memory, by actors and by the driver; values kept by either side never
+//! stall the graph; small payloads are copied. Where a buffer's bytes are is checked against
+//! `/proc/self/maps` of the process that holds it.
+mod common;
+
+use adag::{Buffer, CompileOptions, Dag, Placement, Runtime, Tensor};
+use common::{process_actors_available, with_watchdog};
+
+const WATCHDOG_SECS: u64 = 120;
+
+/// Whether `ptr` lies in a mapping of one of adag's channel memfds in this process.
+fn in_channel_memory(ptr: *const u8) -> bool {
+    let addr = ptr as usize;
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("read /proc/self/maps");
+    maps.lines().any(|line| {
+        let mut fields = line.split_whitespace();
+        let range = fields.next().unwrap_or("");
+        let path = fields.nth(4).unwrap_or("");
+        let Some((start, end)) = range.split_once('-') else {
+            return false;
+        };
+        let (Ok(start), Ok(end)) = (
+            usize::from_str_radix(start, 16),
+            usize::from_str_radix(end, 16),
+        ) else {
+            return false;
+        };
+        (start..end).contains(&addr) && path.starts_with("/memfd:adag:")
+    })
+}
+
+/// Bytes that tell message `seq` apart: a reader can check them knowing only `seq`.
+fn pattern(seq: u64, len: usize) -> Buffer {
+    Buffer::from(
+        (0..len as u64)
+            .map(|i| (i.wrapping_mul(31) ^ seq.wrapping_mul(0x9e37)) as u8)
+            .collect::<Vec<_>>(),
+    )
+}
+
+fn checksum(data: &[u8]) -> u64 {
+    data.iter().enumerate().fold(0u64, |acc, (i, &b)| {
+        acc.wrapping_mul(131).wrapping_add(b as u64 ^ i as u64)
+    })
+}
+
+/// Reports where its inputs are, and keeps some of them.
+#[derive(Default)]
+pub struct Inspector {
+    kept: Vec<(u64, Buffer)>,
+}
+
+#[adag::actor]
+impl Inspector {
+    pub fn new() -> Self {
+        Inspector::default()
+    }
+
+    /// Whether the buffer is in channel memory, its address, and its checksum.
+    pub fn locate(&mut self, data: Buffer) -> (bool, u64, u64) {
+        (
+            in_channel_memory(data.as_ptr()),
+            data.as_ptr() as u64,
+            checksum(&data),
+        )
+    }
+
+    /// The buffer back, unchanged.
+    pub fn echo(&mut self, data: Buffer) -> Buffer {
+        data
+    }
+
+    /// Whether the tensor's data is in channel memory, whether it is 64-byte aligned, and the
+    /// sum of its elements.
+    pub fn locate_tensor(&mut self, t: Tensor) -> (bool, bool, f64) {
+        let bytes = t.as_bytes().expect("a CPU tensor");
+        let sum = t.as_slice::<f64>().expect("f64 elements").iter().sum();
+        (
+            in_channel_memory(bytes.as_ptr()),
+            (bytes.as_ptr() as usize) % 64 == 0,
+            sum,
+        )
+    }
+
+    /// Keeps the buffer (as message `seq`) and passes it on.
+    pub fn keep(&mut self, seq: u64, data: Buffer) -> Buffer {
+        self.kept.push((seq, data.clone()));
+        data
+    }
+
+    /// Checks every kept buffer against its pattern; returns how many there are.
+    pub fn check_kept(&self, len: u64) -> Result<u64, String> {
+        for (seq, data) in &self.kept {
+            if data[..] != pattern(*seq, len as usize)[..] {
+                return Err(format!("kept message {seq} changed"));
+            }
+        }
+        Ok(self.kept.len() as u64)
+    }
+}
+
+fn process_runtime() -> Option<Runtime> {
+    if !process_actors_available() {
+        eprintln!("process actors are not available in this build: skipped");
+        return None;
+    }
+    Some(Runtime::new().expect("runtime"))
+}
+
+#[test]
+fn large_buffers_are_read_in_place_by_the_actor_and_the_driver() {
+    with_watchdog("large_buffers_in_place", WATCHDOG_SECS, || {
+        let Some(rt) = process_runtime() else { return };
+        let a = rt.spawn::<Inspector>(Placement::Process, ()).unwrap();
+        let opts = CompileOptions::default().buffer_size_bytes(2 << 20);
+
+        let dag = Dag::<Buffer>::new();
+        let g = dag.compile(a.locate(dag.input()), opts.clone()).unwrap();
+        let data = pattern(1, 1 << 20);
+        let (in_place, _, sum) = g.execute(data.clone()).unwrap().get().unwrap();
+        assert!(in_place, "the actor got a copy of a 1 MiB buffer");
+        assert_eq!(sum, checksum(&data));
+        g.teardown().unwrap();
+
+        let dag = Dag::<Buffer>::new();
+        let g = dag.compile(a.echo(dag.input()), opts).unwrap();
+        for seq in 0..20 {
+            let data = pattern(seq, 1 << 20);
+            let back = g.execute(data.clone()).unwrap().get().unwrap();
+            assert!(
+                in_channel_memory(back.as_ptr()),
+                "the driver got a copy of result {seq}"
+            );
+            assert_eq!(back, data, "result {seq}");
+        }
+    });
+}
+
+#[test]
+fn small_payloads_are_copied() {
+    with_watchdog("small_payloads_copied", WATCHDOG_SECS, || {
+        let Some(rt) = process_runtime() else { return };
+        let a = rt.spawn::<Inspector>(Placement::Process, ()).unwrap();
+        let dag = Dag::<Buffer>::new();
+        // The default slot of 1,000,000 bytes.
+        let g = dag
+            .compile(a.locate(dag.input()), CompileOptions::default())
+            .unwrap();
+        // Inline (under 16 KiB), and out of band but under a quarter of the slot.
+        for len in [1 << 10, 64 << 10] {
+            let data = pattern(len as u64, len);
+            let (in_place, _, sum) = g.execute(data.clone()).unwrap().get().unwrap();
+            assert!(!in_place, "a {len}-byte buffer was kept in place");
+            assert_eq!(sum, checksum(&data));
+        }
+        // A quarter of the slot or more: in place.
+        let data = pattern(0, 300_000);
+        assert!(g.execute(data).unwrap().get().unwrap().0);
+    });
+}
+
+#[test]
+fn tensors_are_read_in_place_and_aligned() {
+    with_watchdog("tensors_in_place", WATCHDOG_SECS, || {
+        let Some(rt) = process_runtime() else { return };
+        let a = rt.spawn::<Inspector>(Placement::Process, ()).unwrap();
+        let dag = Dag::<Tensor>::new();
+        let g = dag
+            .compile(a.locate_tensor(dag.input()), CompileOptions::default())
+            .unwrap();
+        let n = 256 * 1024; // 2 MiB of f64: the channel grows for it
+        let t = Tensor::from_vec((0..n).map(|i| i as f64).collect(), [512, n / 512]).unwrap();
+        let expected = (0..n).map(|i| i as f64).sum::<f64>();
+        for _ in 0..3 {
+            let (in_place, aligned, sum) = g.execute(t.clone()).unwrap().get().unwrap();
+            assert!(in_place, "the actor got a copy of the tensor");
+            assert!(aligned, "the tensor's data is not 64-byte aligned");
+            assert_eq!(sum, expected);
+        }
+    });
+}
+
+/// The actor keeps every input and the driver every result, far more of them than the ring
+/// has slots: the graph never waits for them, and none of them changes afterwards.
+#[test]
+fn values_kept_by_actor_and_driver_never_stall_the_graph() {
+    with_watchdog("kept_values", WATCHDOG_SECS, || {
+        let Some(rt) = process_runtime() else { return };
+        const LEN: usize = 256 << 10;
+        const RUNS: u64 = 150;
+        let a = rt.spawn::<Inspector>(Placement::Process, ()).unwrap();
+        let dag = Dag::<(u64, Buffer)>::new();
+        let input = dag.input();
+        let out = a.keep(input.arg::<0>(), input.arg::<1>());
+        let opts = CompileOptions::default()
+            .buffer_size_bytes(LEN + 64)
+            .max_inflight_executions(2);
+        let g = dag.compile(out, opts).unwrap();
+        let mut results = Vec::new();
+        for seq in 0..RUNS {
+            let back = g.execute((seq, pattern(seq, LEN))).unwrap().get().unwrap();
+            assert!(in_channel_memory(back.as_ptr()), "result {seq} was copied");
+            results.push((seq, back));
+        }
+        for (seq, back) in &results {
+            assert_eq!(
+                back[..],
+                pattern(*seq, LEN)[..],
+                "kept result {seq} changed"
+            );
+        }
+        g.teardown().unwrap();
+        // One-off calls reach the actor once its graph is down.
+        assert_eq!(a.call().check_kept(LEN as u64).unwrap(), RUNS);
+        // Results outlive the graph (and its channels).
+        assert_eq!(results[7].1[..], pattern(7, LEN)[..]);
+        drop((g, a, rt));
+        assert_eq!(results[8].1[..], pattern(8, LEN)[..]);
+    });
+}
+
+/// Between threads of one process a buffer moves: the actor sees the driver's own bytes.
+#[test]
+fn buffers_move_between_threads_without_a_copy() {
+    with_watchdog("buffers_between_threads", WATCHDOG_SECS, || {
+        let rt = Runtime::new().unwrap();
+        let a = rt.spawn::<Inspector>(Placement::Thread, ()).unwrap();
+        let dag = Dag::<Buffer>::new();
+        let g = dag
+            .compile(a.locate(dag.input()), CompileOptions::default())
+            .unwrap();
+        let data = pattern(3, 1 << 20);
+        let (_, address, sum) = g.execute(data.clone()).unwrap().get().unwrap();
+        assert_eq!(address, data.as_ptr() as u64);
+        assert_eq!(sum, checksum(&data));
+    });
+}
