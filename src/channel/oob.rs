@@ -33,6 +33,13 @@ pub(crate) const OUT_OF_BAND_MIN: usize = 16 * 1024;
 /// attachments are copied.
 const IN_PLACE_MIN_FILL: usize = 4;
 
+/// Copies of at least this many bytes are split over several threads: one thread copies about
+/// 8 GB/s on this kind of machine, two about 14 GB/s (a 100 MiB copy: 12.6 ms against 7.3 ms),
+/// while starting a scoped thread costs some tens of microseconds.
+const PARALLEL_COPY_MIN: usize = 8 << 20;
+/// More copying threads than this gain nothing (memory bandwidth; 4 were slower than 2 here).
+const MAX_COPY_THREADS: usize = 4;
+
 const HEADER: usize = 16;
 const TABLE_ENTRY: usize = 16;
 const ALIGN: usize = 64;
@@ -257,9 +264,57 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
         let entry = table + index * TABLE_ENTRY;
         buf[entry..entry + 8].copy_from_slice(&(offset as u64).to_le_bytes());
         buf[entry + 8..entry + TABLE_ENTRY].copy_from_slice(&(data.len() as u64).to_le_bytes());
-        buf[offset..offset + data.len()].copy_from_slice(data);
+        copy(&mut buf[offset..offset + data.len()], data);
     });
     Ok(total)
+}
+
+/// `dst.copy_from_slice(src)`, on several threads for a large copy. The threads are scoped:
+/// joined before this returns (so the copy happens before the caller publishes it), and none
+/// outlives the call.
+fn copy(dst: &mut [u8], src: &[u8]) {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let threads = if src.len() >= PARALLEL_COPY_MIN {
+        *THREADS.get_or_init(|| {
+            std::thread::available_parallelism()
+                .map_or(1, usize::from)
+                .min(MAX_COPY_THREADS)
+        })
+    } else {
+        1
+    };
+    if threads <= 1 {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let chunk = src.len().div_ceil(threads).next_multiple_of(4096);
+    // Each thread, this one included, takes chunks until none is left: a thread that cannot
+    // start leaves its share to the others.
+    let chunks = parking_lot::Mutex::new(
+        dst.chunks_mut(chunk)
+            .zip(src.chunks(chunk))
+            .collect::<Vec<_>>(),
+    );
+    let work = || {
+        loop {
+            // Its own statement: the lock is not held during the copy.
+            let next = chunks.lock().pop();
+            let Some((to, from)) = next else { break };
+            to.copy_from_slice(from);
+        }
+    };
+    std::thread::scope(|scope| {
+        for _ in 1..threads {
+            let spawned = std::thread::Builder::new()
+                .name("adag-copy".into())
+                .spawn_scoped(scope, work);
+            if let Err(err) = spawned {
+                tracing::debug!(%err, "no thread for a parallel copy; copying here");
+                break;
+            }
+        }
+        work();
+    });
 }
 
 /// A frame's parts, checked against its length.
@@ -425,6 +480,34 @@ mod tests {
             decode_slice::<Buffer>(&frame).is_err(),
             "a table past the frame's end"
         );
+    }
+
+    /// Large copies are split over threads; every byte lands where it belongs, whatever the
+    /// size's remainder.
+    #[test]
+    fn large_copies_are_exact() {
+        for len in [
+            PARALLEL_COPY_MIN - 1,
+            PARALLEL_COPY_MIN,
+            3 * PARALLEL_COPY_MIN + 12_345,
+        ] {
+            let src: Vec<u8> = (0..len as u64).map(|i| (i ^ (i >> 11)) as u8).collect();
+            let mut dst = vec![0u8; len + 2];
+            copy(&mut dst[1..=len], &src);
+            assert!(dst[1..=len] == src[..], "a copy of {len} bytes differs");
+            assert_eq!(
+                (dst[0], dst[len + 1]),
+                (0, 0),
+                "a copy of {len} bytes overran"
+            );
+        }
+        let value = Buffer::from(
+            (0..20u32 << 20)
+                .map(|i| (i % 253) as u8)
+                .collect::<Vec<_>>(),
+        );
+        let frame = encode_fitted(&value);
+        assert_eq!(decode_slice::<Buffer>(&frame).unwrap(), value);
     }
 
     #[test]
