@@ -91,9 +91,10 @@ pub enum Error {
         /// The ceiling.
         limit: usize,
     },
-    /// The actor is part of a live compiled graph, so it takes no one-off calls or second graph.
+    /// The actor belongs to a compiled graph (a live one, or one torn down while a method of
+    /// this thread actor was still running), so it takes no one-off calls or second graph.
     #[error(
-        "actor {actor} is busy in live compiled graph #{graph}; tear that graph down first (CompiledGraph::teardown)"
+        "actor {actor} is held by compiled graph #{graph}: tear that graph down first (CompiledGraph::teardown); if it was torn down already, a method of this actor is still running and the actor is free once it returns"
     )]
     ActorBusy {
         /// The actor.

@@ -1,12 +1,18 @@
 //! Typed endpoints of an edge. A writer fans one value out to every reader group of its
-//! edge: readers in the writer's process get it through an in-memory ring without
+//! edge: readers in the writer's process get it through an in-memory channel without
 //! serialization (moved to the last reader, cloned for the others); readers in other
 //! processes share one shared-memory ring, encoded once with postcard.
+//!
+//! In-memory channels are crossbeam's bounded queues, polled without blocking; their ends
+//! wait with the same adaptive spin → yield → futex wait as the shared-memory ring
+//! ([`WaitCell`]), so that a chain of thread actors hands values on as fast as a chain of
+//! processes, and teardown wakes every sleeper at once.
 use super::oob;
 use super::shm::{RingError, ShmChannel, ShmReader, ShmWriter};
+use super::wait::{DEFAULT_SPIN, SpinPolicy, WaitCell};
 use crate::compile::plan::{GraphPlan, Loc};
 use crate::value::Value;
-use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
+use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::any::Any;
@@ -100,9 +106,52 @@ fn write_encoded<T: Serialize>(
     Ok(written?)
 }
 
+/// The wait cells of one in-memory channel (one writer, one reader): the reader sleeps on
+/// `data`, a writer facing a full channel on `space`.
+#[derive(Debug, Default)]
+pub(crate) struct LocalWaits {
+    data: WaitCell,
+    space: WaitCell,
+}
+
+impl LocalWaits {
+    /// Wakes both ends (teardown: they see the closed flag).
+    fn wake_all(&self) {
+        self.data.wake();
+        self.space.wake();
+    }
+}
+
+/// The writing end of one in-memory channel.
+pub(crate) struct LocalTx<T> {
+    tx: Sender<Msg<T>>,
+    waits: Arc<LocalWaits>,
+    policy: SpinPolicy,
+}
+
+impl<T> Drop for LocalTx<T> {
+    fn drop(&mut self) {
+        // The reader may be asleep: it must see the channel disconnected now.
+        self.waits.data.wake();
+    }
+}
+
+/// The reading end of one in-memory channel.
+pub(crate) struct LocalRx<T> {
+    rx: Receiver<Msg<T>>,
+    waits: Arc<LocalWaits>,
+    policy: SpinPolicy,
+}
+
+impl<T> Drop for LocalRx<T> {
+    fn drop(&mut self) {
+        self.waits.space.wake();
+    }
+}
+
 /// The writing end of an edge.
 pub(crate) struct EdgeWriter<T> {
-    local: Vec<Sender<Msg<T>>>,
+    local: Vec<LocalTx<T>>,
     closed: Arc<AtomicBool>,
     shm: Option<ShmWriter>,
 }
@@ -136,94 +185,75 @@ impl<T: Value> EdgeWriter<T> {
                 Msg::Error(e) => write_encoded(shm, TAG_ERROR, &**e, deadline)?,
             }
         }
-        let Some((last, rest)) = self.local.split_last() else {
+        let Some((last, rest)) = self.local.split_last_mut() else {
             return Ok(());
         };
-        for sender in rest {
-            send(sender, &self.closed, msg.clone(), deadline)?;
+        for tx in rest {
+            send(tx, &self.closed, msg.clone(), deadline)?;
         }
         send(last, &self.closed, msg, deadline)
     }
 }
 
-/// How often a thread blocked on an in-memory channel looks at the graph's closed flag.
-/// Data wakes it at once; only teardown waits for this tick.
-const CLOSE_POLL: Duration = Duration::from_millis(20);
-
-fn poll_deadline(deadline: Option<Instant>) -> Instant {
-    let tick = Instant::now() + CLOSE_POLL;
-    deadline.map_or(tick, |d| d.min(tick))
-}
-
 fn send<T>(
-    sender: &Sender<Msg<T>>,
+    end: &mut LocalTx<T>,
     closed: &AtomicBool,
-    mut msg: Msg<T>,
+    msg: Msg<T>,
     deadline: Option<Instant>,
 ) -> Result<(), ChanError> {
-    loop {
+    let LocalTx { tx, waits, policy } = end;
+    let mut pending = Some(msg);
+    let sent = waits.space.wait(policy, deadline, || {
         if closed.load(Ordering::Acquire) {
-            return Err(ChanError::Closed);
+            return Some(Err(ChanError::Closed));
         }
-        match sender.send_deadline(msg, poll_deadline(deadline)) {
-            Ok(()) => return Ok(()),
-            Err(SendTimeoutError::Disconnected(_)) => return Err(ChanError::Closed),
-            Err(SendTimeoutError::Timeout(m)) => {
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Err(ChanError::Timeout);
-                }
-                msg = m;
+        let msg = pending.take()?;
+        match tx.try_send(msg) {
+            Ok(()) => Some(Ok(())),
+            Err(TrySendError::Full(msg)) => {
+                pending = Some(msg);
+                None
             }
+            Err(TrySendError::Disconnected(_)) => Some(Err(ChanError::Closed)),
         }
+    });
+    match sent {
+        Some(Ok(())) => {
+            waits.data.notify();
+            Ok(())
+        }
+        Some(Err(err)) => Err(err),
+        None => Err(ChanError::Timeout),
     }
 }
 
-/// How long a reader of an in-memory channel spins (then yields) before it parks: a parked
-/// thread woken from the other core costs ~80 µs here, a spin hand-off well under 1 µs.
-const LOCAL_SPIN: Duration = Duration::from_micros(50);
-
 fn recv<T>(
-    rx: &Receiver<Msg<T>>,
+    end: &mut LocalRx<T>,
     closed: &AtomicBool,
     deadline: Option<Instant>,
 ) -> Result<Msg<T>, ChanError> {
-    let backoff = crossbeam_utils::Backoff::new();
-    let mut spin_start: Option<Instant> = None;
-    loop {
-        match rx.try_recv() {
-            Ok(m) => return Ok(m),
-            Err(crossbeam_channel::TryRecvError::Disconnected) => return Err(ChanError::Closed),
-            Err(crossbeam_channel::TryRecvError::Empty) => {}
+    let LocalRx { rx, waits, policy } = end;
+    // What was sent before a close is still delivered; then the close.
+    let got = waits.data.wait(policy, deadline, || match rx.try_recv() {
+        Ok(msg) => Some(Ok(msg)),
+        Err(TryRecvError::Empty) => closed
+            .load(Ordering::Acquire)
+            .then_some(Err(ChanError::Closed)),
+        Err(TryRecvError::Disconnected) => Some(Err(ChanError::Closed)),
+    });
+    match got {
+        Some(Ok(msg)) => {
+            waits.space.notify();
+            Ok(msg)
         }
-        if !backoff.is_completed() {
-            backoff.snooze();
-            continue;
-        }
-        let start = *spin_start.get_or_insert_with(Instant::now);
-        if start.elapsed() >= LOCAL_SPIN || closed.load(Ordering::Acquire) {
-            break;
-        }
-        std::thread::yield_now();
-    }
-    loop {
-        if closed.load(Ordering::Acquire) {
-            return Err(ChanError::Closed);
-        }
-        match rx.recv_deadline(poll_deadline(deadline)) {
-            Ok(m) => return Ok(m),
-            Err(RecvTimeoutError::Disconnected) => return Err(ChanError::Closed),
-            Err(RecvTimeoutError::Timeout) => {
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Err(ChanError::Timeout);
-                }
-            }
-        }
+        Some(Err(err)) => Err(err),
+        None => Err(ChanError::Timeout),
     }
 }
 
 /// The reading end of an edge for one reader.
 pub(crate) enum EdgeReader<T> {
-    Local(Receiver<Msg<T>>, Arc<AtomicBool>),
+    Local(LocalRx<T>, Arc<AtomicBool>),
     Shm(ShmReader, std::marker::PhantomData<fn() -> T>),
 }
 
@@ -254,11 +284,15 @@ impl<T: Value> EdgeReader<T> {
 #[derive(Default)]
 pub(crate) struct LocalHub {
     chans: Mutex<HashMap<u64, Box<dyn Any + Send>>>,
+    /// The wait cells of every channel made here, for teardown to wake.
+    waits: Mutex<Vec<Arc<LocalWaits>>>,
 }
 
+type LocalEnd<E> = (E, Arc<LocalWaits>);
+
 struct LocalChan<T> {
-    senders: Option<Vec<Sender<Msg<T>>>>,
-    receivers: Vec<Option<Receiver<Msg<T>>>>,
+    senders: Option<Vec<LocalEnd<Sender<Msg<T>>>>>,
+    receivers: Vec<Option<LocalEnd<Receiver<Msg<T>>>>>,
 }
 
 impl LocalHub {
@@ -274,7 +308,9 @@ impl LocalHub {
             let (senders, receivers) = (0..readers)
                 .map(|_| {
                     let (s, r) = crossbeam_channel::bounded::<Msg<T>>(depth);
-                    (s, Some(r))
+                    let waits = Arc::new(LocalWaits::default());
+                    self.waits.lock().push(waits.clone());
+                    ((s, waits.clone()), Some((r, waits)))
                 })
                 .unzip();
             Box::new(LocalChan::<T> {
@@ -285,23 +321,23 @@ impl LocalHub {
         entry.downcast_mut::<LocalChan<T>>().map(f)
     }
 
-    pub(crate) fn senders<T: Value>(
+    fn senders<T: Value>(
         &self,
         edge: u64,
         readers: usize,
         depth: usize,
-    ) -> Option<Vec<Sender<Msg<T>>>> {
+    ) -> Option<Vec<LocalEnd<Sender<Msg<T>>>>> {
         self.with::<T, _>(edge, readers, depth, |c| c.senders.take())
             .flatten()
     }
 
-    pub(crate) fn receiver<T: Value>(
+    fn receiver<T: Value>(
         &self,
         edge: u64,
         index: usize,
         readers: usize,
         depth: usize,
-    ) -> Option<Receiver<Msg<T>>> {
+    ) -> Option<LocalEnd<Receiver<Msg<T>>>> {
         self.with::<T, _>(edge, readers, depth, |c| {
             c.receivers.get_mut(index).and_then(Option::take)
         })
@@ -309,9 +345,13 @@ impl LocalHub {
     }
 
     /// Drop every end nobody took (a reader or writer that failed to install), so that
-    /// the others see the channel closed instead of waiting for ever.
+    /// the others see the channel closed instead of waiting for ever, and wake every end
+    /// (teardown: they see the closed flag).
     pub(crate) fn clear(&self) {
         self.chans.lock().clear();
+        for waits in self.waits.lock().iter() {
+            waits.wake_all();
+        }
     }
 }
 
@@ -320,6 +360,8 @@ pub(crate) struct ProcChannels {
     pub(crate) local: LocalHub,
     pub(crate) shm: HashMap<u64, ShmChannel>,
     pub(crate) closed: Arc<AtomicBool>,
+    /// Spin budget of the in-memory channels' waits (`CompileOptions::spin`).
+    spin: Duration,
 }
 
 impl ProcChannels {
@@ -328,7 +370,14 @@ impl ProcChannels {
             local: LocalHub::default(),
             shm,
             closed: Arc::new(AtomicBool::new(false)),
+            spin: DEFAULT_SPIN,
         }
+    }
+
+    /// Sets the spin budget of the in-memory channels' waits.
+    pub(crate) fn with_spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
+        self
     }
 
     /// The writing end of `edge` for the endpoint `me`.
@@ -382,6 +431,13 @@ impl ProcChannels {
             self.local
                 .senders::<T>(edge, local_readers, depth)
                 .ok_or_else(|| format!("edge {edge}: writer already taken or type mismatch"))?
+                .into_iter()
+                .map(|(tx, waits)| LocalTx {
+                    tx,
+                    waits,
+                    policy: SpinPolicy::new(self.spin),
+                })
+                .collect()
         };
         let shm = match shm_chan {
             None => None,
@@ -410,7 +466,14 @@ impl ProcChannels {
     ) -> Result<EdgeReader<T>, String> {
         self.local
             .receiver::<T>(edge, index, readers, depth)
-            .map(|rx| EdgeReader::Local(rx, self.closed.clone()))
+            .map(|(rx, waits)| {
+                let end = LocalRx {
+                    rx,
+                    waits,
+                    policy: SpinPolicy::new(self.spin),
+                };
+                EdgeReader::Local(end, self.closed.clone())
+            })
             .ok_or_else(|| format!("edge {edge}: reader {index} already taken or type mismatch"))
     }
 
@@ -436,5 +499,95 @@ impl ProcChannels {
             ch.close();
         }
         self.local.clear();
+    }
+}
+
+/// Stress tests of the in-memory channels' waits: a lost wake-up leaves an end asleep until
+/// the watchdog fires (the futex sleep is bounded by 100 ms slices, so a lost wake-up shows
+/// as a run far slower than its sleeps; the deadlines below turn that into a failure).
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::channel::wait::watchdog::{WATCHDOG, with_watchdog};
+
+    fn pair(depth: usize, spin: Duration) -> (Arc<ProcChannels>, EdgeWriter<u64>, EdgeReader<u64>) {
+        let chans = Arc::new(ProcChannels::new(HashMap::new()).with_spin(spin));
+        let writer = chans.local_writer::<u64>(1, 1, None, depth).unwrap();
+        let reader = chans.local_reader::<u64>(1, 0, 1, depth).unwrap();
+        (chans, writer, reader)
+    }
+
+    fn value(msg: Msg<u64>) -> u64 {
+        match msg {
+            Msg::Value(v) => v,
+            Msg::Error(e) => panic!("unexpected task error {e:?}"),
+        }
+    }
+
+    /// Both ends pause at random now and then, so that each side is often asleep (spin
+    /// budget zero: straight to the futex) when the other acts; every message arrives, in
+    /// order, and no wait outlives a generous deadline.
+    #[test]
+    fn no_wake_up_is_lost_when_both_ends_sleep() {
+        with_watchdog(WATCHDOG, || {
+            const MESSAGES: u64 = 5_000;
+            for (depth, spin) in [(1, Duration::ZERO), (2, Duration::ZERO), (4, DEFAULT_SPIN)] {
+                let (_chans, mut writer, mut reader) = pair(depth, spin);
+                let consumer = std::thread::spawn(move || {
+                    let mut state = 0x2545_f491_u64;
+                    for expected in 0..MESSAGES {
+                        state ^= state << 13;
+                        state ^= state >> 7;
+                        state ^= state << 17;
+                        if state % 64 == 0 {
+                            std::thread::sleep(Duration::from_micros(state % 200));
+                        }
+                        let deadline = Some(Instant::now() + Duration::from_secs(5));
+                        assert_eq!(value(reader.read(deadline).unwrap()), expected);
+                    }
+                    reader
+                });
+                let mut state = 0x9e37_79b9_u64;
+                for seq in 0..MESSAGES {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    if state % 64 == 0 {
+                        std::thread::sleep(Duration::from_micros(state % 200));
+                    }
+                    let deadline = Some(Instant::now() + Duration::from_secs(5));
+                    writer.write(Msg::Value(seq), deadline).unwrap();
+                }
+                drop(consumer.join().unwrap());
+            }
+        });
+    }
+
+    /// Teardown (`close_all`) wakes a reader asleep on an empty channel and a writer asleep
+    /// on a full one; a dropped writer ends the reader.
+    #[test]
+    fn close_and_drop_wake_sleeping_ends() {
+        with_watchdog(WATCHDOG, || {
+            let (chans, writer, mut reader) = pair(1, Duration::ZERO);
+            let blocked = std::thread::spawn(move || reader.read(None).map(value));
+            std::thread::sleep(Duration::from_millis(30));
+            chans.close_all();
+            assert_eq!(blocked.join().unwrap(), Err(ChanError::Closed));
+            drop(writer);
+
+            let (chans, mut writer, reader) = pair(1, Duration::ZERO);
+            writer.write(Msg::Value(1), None).unwrap();
+            let blocked = std::thread::spawn(move || writer.write(Msg::Value(2), None));
+            std::thread::sleep(Duration::from_millis(30));
+            chans.close_all();
+            assert_eq!(blocked.join().unwrap(), Err(ChanError::Closed));
+            drop(reader);
+
+            let (_chans, writer, mut reader) = pair(1, Duration::ZERO);
+            let blocked = std::thread::spawn(move || reader.read(None).map(value));
+            std::thread::sleep(Duration::from_millis(30));
+            drop(writer);
+            assert_eq!(blocked.join().unwrap(), Err(ChanError::Closed));
+        });
     }
 }

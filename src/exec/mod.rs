@@ -250,7 +250,7 @@ fn start<I: Value>(
             shm.insert(s.chan, ch);
         }
     }
-    let chans = Arc::new(ProcChannels::new(shm));
+    let chans = Arc::new(ProcChannels::new(shm).with_spin(opts.spin));
     let io = DriverIo {
         chans: chans.clone(),
     };
