@@ -96,8 +96,6 @@ struct OutputEdge {
 /// The submitting side: held by `execute` only, never while waiting for results.
 struct SubmitState<I> {
     feeders: Vec<Box<dyn Feeder<I>>>,
-    /// Async mode: tells the result pump that one more execution is on its way.
-    submitted: Option<crossbeam_channel::Sender<()>>,
 }
 
 /// The reading side: held while a `get` waits on the output channels.
@@ -365,10 +363,7 @@ fn start<I: Value>(
     }
     let shared = Arc::new(GraphShared {
         id: plan.graph,
-        submit: Mutex::new(SubmitState {
-            feeders,
-            submitted: None,
-        }),
+        submit: Mutex::new(SubmitState { feeders }),
         reader: Mutex::new(ReadState {
             edges,
             partial: Vec::new(),
@@ -618,9 +613,6 @@ impl<I: Value> GraphShared<I> {
             return Err(err);
         }
         self.next_exec.store(exec + 1, Ordering::Release);
-        if let Some(tx) = &sub.submitted {
-            let _ = tx.send(());
-        }
         Ok(ExecToken::new(self.clone() as Arc<dyn RefOwner>, exec))
     }
 
@@ -648,7 +640,6 @@ impl<I: Value> GraphShared<I> {
         {
             let mut sub = self.submit.lock();
             sub.feeders.clear();
-            sub.submitted = None;
         }
         {
             let mut rs = self.reader.lock();

@@ -9,28 +9,26 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 pub(super) fn start<I: Value>(shared: &Arc<GraphShared<I>>) -> Result<()> {
-    let (tx, rx) = crossbeam_channel::unbounded::<()>();
-    shared.submit.lock().submitted = Some(tx);
     let edges = std::mem::take(&mut shared.reader.lock().edges);
     let weak: Weak<GraphShared<I>> = Arc::downgrade(shared);
     std::thread::Builder::new()
         .name(format!("adag-pump-{}", shared.id))
-        .spawn(move || run(weak, rx, edges))
+        .spawn(move || run(weak, edges))
         .map(|_| ())
         .map_err(|e| Error::io("starting the async result pump", e))
 }
 
-fn run<I: Value>(
-    weak: Weak<GraphShared<I>>,
-    submitted: crossbeam_channel::Receiver<()>,
-    mut edges: Vec<super::OutputEdge>,
-) {
+/// Reads execution after execution straight from the output channels, whose waits (spin,
+/// then futex) wake the pump when a result arrives: nothing else needs to tell it that an
+/// execution was submitted. The graph is only borrowed (upgraded) between reads, so that an
+/// idle pump never keeps a dropped graph alive; teardown closes the channels, which ends it.
+fn run<I: Value>(weak: Weak<GraphShared<I>>, mut edges: Vec<super::OutputEdge>) {
     let n_outputs: usize = edges.iter().map(|e| e.outputs.len()).sum();
-    while submitted.recv().is_ok() {
-        let Some(shared) = weak.upgrade() else { return };
-        // Wait for room in the result buffer: results stay in the channels meanwhile, which
-        // counts them as in flight, as in sync mode.
+    loop {
         {
+            let Some(shared) = weak.upgrade() else { return };
+            // Wait for room in the result buffer: results stay in the channels meanwhile,
+            // which counts them as in flight, as in sync mode.
             let mut r = shared.results.lock();
             while r.buffer.len() >= shared.opts.max_buffered_results
                 && !shared.torn.load(std::sync::atomic::Ordering::Acquire)
@@ -51,6 +49,7 @@ fn run<I: Value>(
                 Err(_) => return,
             }
         }
+        let Some(shared) = weak.upgrade() else { return };
         let exec = shared.next_read.load(std::sync::atomic::Ordering::Acquire);
         shared.store(exec, results, None);
     }
