@@ -28,6 +28,7 @@
 //! assert!(t.as_slice::<i32>().is_err());
 //! # Ok::<(), adag::tensor::TensorError>(())
 //! ```
+use crate::Buffer;
 use bytes::Bytes;
 use half::{bf16, f16};
 use serde::de::{self, Deserializer};
@@ -920,35 +921,30 @@ impl Serialize for Tensor {
     /// when it crosses processes through shared memory). A device tensor is an error: copy it
     /// to the CPU or send it through its device communicator.
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        struct Data<'a>(&'a Bytes);
-        impl Serialize for Data<'_> {
-            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-                crate::channel::oob::serialize_bytes(self.0, serializer)
-            }
-        }
-        let data = self.cpu_bytes().map_err(ser::Error::custom)?;
+        // A `Buffer` sharing the storage (a reference count, no copy) carries the bytes.
+        let data = Buffer::from(self.cpu_bytes().map_err(ser::Error::custom)?.clone());
         let mut st = serializer.serialize_struct("Tensor", 3)?;
         st.serialize_field("dtype", &self.dtype)?;
         st.serialize_field("shape", &self.shape)?;
-        st.serialize_field("data", &Data(data))?;
+        st.serialize_field("data", &data)?;
         st.end()
     }
 }
 
 impl<'de> Deserialize<'de> for Tensor {
     /// Zero copy when the data was read in place from shared memory (64-byte aligned there);
-    /// inline data is copied into a buffer aligned for every dtype.
+    /// inline data is copied to the heap, and again by `from_bytes` in the rare case that the
+    /// allocation is not aligned for the dtype.
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         #[derive(Deserialize)]
         #[serde(rename = "Tensor")]
         struct Wire {
             dtype: DType,
             shape: Vec<usize>,
-            #[serde(deserialize_with = "crate::channel::oob::deserialize_bytes")]
-            data: Bytes,
+            data: Buffer,
         }
         let w = Wire::deserialize(deserializer)?;
-        Tensor::from_bytes(w.dtype, w.shape, w.data).map_err(de::Error::custom)
+        Tensor::from_bytes(w.dtype, w.shape, w.data.into_bytes()).map_err(de::Error::custom)
     }
 }
 
@@ -1132,12 +1128,8 @@ mod tests {
         enc[0] = 9;
         let err = postcard::from_bytes::<Tensor>(&enc).unwrap_err();
         assert!(matches!(err, postcard::Error::SerdeDeCustom), "{err:?}");
-        // Wrong length for the shape.
-        let wire = (
-            DType::F32,
-            vec![3usize],
-            serde_bytes::ByteBuf::from(vec![0u8; 8]),
-        );
+        // Wrong length for the shape (the wire as `Tensor` writes it, 8 bytes for 3 f32s).
+        let wire = (DType::F32, vec![3usize], Buffer::from(vec![0u8; 8]));
         let enc = postcard::to_stdvec(&wire).unwrap();
         assert!(postcard::from_bytes::<Tensor>(&enc).is_err());
     }

@@ -148,7 +148,7 @@ pub(crate) fn deserialize_bytes<'de, D: Deserializer<'de>>(
             }
         }
         fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Bytes, E> {
-            Ok(heap_copy(v))
+            InlineVisitor.visit_bytes(v)
         }
         fn visit_seq<A: de::SeqAccess<'de>>(self, seq: A) -> Result<Bytes, A::Error> {
             InlineVisitor.visit_seq(seq)
@@ -191,7 +191,7 @@ impl<'de> Visitor<'de> for InlineVisitor {
 /// A copy of `data` on the heap. One allocation, not zeroed: the allocator's alignment (16
 /// bytes with glibc) suits every tensor dtype, and a tensor made from a less aligned buffer
 /// copies it again (`Tensor::from_bytes`), so alignment is never wrong, only rarely slower.
-pub(crate) fn heap_copy(data: &[u8]) -> Bytes {
+fn heap_copy(data: &[u8]) -> Bytes {
     Bytes::copy_from_slice(data)
 }
 
@@ -370,6 +370,7 @@ pub(crate) fn decode<T: DeserializeOwned>(frame: &ShmFrame<'_>) -> Result<T, Str
     let data = frame.data();
     let Parts { body, table } = parts(data)?;
     if table.is_empty() {
+        // The common case: no attachment, so no scope to open.
         return postcard::from_bytes(body).map_err(|e| e.to_string());
     }
     let capacity = frame.block_capacity();
@@ -385,6 +386,11 @@ pub(crate) fn decode<T: DeserializeOwned>(frame: &ShmFrame<'_>) -> Result<T, Str
             _ => heap_copy(&data[offset..offset + len]),
         })
         .collect();
+    decode_body(body, attachments)
+}
+
+/// Decodes a frame's body, its attachments at hand for the values that refer to them.
+fn decode_body<T: DeserializeOwned>(body: &[u8], attachments: Vec<Bytes>) -> Result<T, String> {
     let _scope = Scope::open(&DECODING, attachments);
     postcard::from_bytes(body).map_err(|e| e.to_string())
 }
@@ -397,8 +403,7 @@ pub(crate) fn decode_slice<T: DeserializeOwned>(data: &[u8]) -> Result<T, String
         .iter()
         .map(|&(offset, len)| heap_copy(&data[offset..offset + len]))
         .collect();
-    let _scope = Scope::open(&DECODING, attachments);
-    postcard::from_bytes(body).map_err(|e| e.to_string())
+    decode_body(body, attachments)
 }
 
 #[cfg(all(test, not(loom)))]

@@ -60,6 +60,8 @@
 use std::time::{Duration, Instant};
 
 use crate::channel::wait::{SpinPolicy, WaitCell};
+#[cfg(test)]
+use crate::sync::Arc;
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// Errors of the ring and of the shared-memory channel built on it.
@@ -173,9 +175,6 @@ pub(crate) struct HeapRing {
     control: RingControl,
     cursors: Box<[Cursor]>,
 }
-
-#[cfg(test)]
-use crate::sync::Arc;
 
 #[cfg(test)]
 impl HeapRing {

@@ -278,6 +278,13 @@ impl ShmShared {
         view(&self.map, file_len, at)
     }
 
+    /// Records the size of the block at `at` in its header, before a message uses it.
+    fn stamp_block(&self, at: usize, size: usize, file_len: usize) {
+        self.block(at, file_len)
+            .size
+            .store(size as u64, Ordering::Relaxed);
+    }
+
     /// Gives the memory of `len` bytes at `offset` back to the kernel; the range reads as
     /// zeros afterwards (and allocates again when written). Nobody may be reading it.
     fn punch(&self, offset: usize, len: usize) {
@@ -359,10 +366,7 @@ impl ShmChannel {
         for slot in 0..cfg.depth as usize {
             let block = layout.payload_start + slot * layout.initial_stride;
             shared.populate(block, per_slot, true)?;
-            shared
-                .block(block, file_len)
-                .size
-                .store(layout.initial_stride as u64, Ordering::Relaxed);
+            shared.stamp_block(block, layout.initial_stride, file_len);
         }
         let header = shared.header();
         header.version.store(VERSION, Ordering::Relaxed);
@@ -466,7 +470,6 @@ impl ShmChannel {
             free: Vec::new(),
             stride: layout.initial_stride,
             file_len: self.shared.header().file_len.load(Ordering::Acquire) as usize,
-            waiting_since: None,
         };
         ShmWriter { ring, blocks }
     }
@@ -548,8 +551,6 @@ struct Blocks {
     stride: usize,
     /// The memfd's length: new blocks are carved from here.
     file_len: usize,
-    /// Set while every block is pinned and no room is left: when the writer started to wait.
-    waiting_since: Option<Instant>,
 }
 
 impl Blocks {
@@ -581,13 +582,11 @@ impl Blocks {
             }
             Err(err) => {
                 // The slot keeps its block: it must not stay in a list of blocks to hand out.
+                // It can be in `free` only when `take` failed to populate another, unbacked
+                // block; then it was punched too, and its header with it.
                 self.kept.retain(|b| b.at != block.at);
                 self.free.retain(|b| b.at != block.at);
-                // (Its header may have been punched out with its memory.)
-                shared
-                    .block(block.at, self.file_len)
-                    .size
-                    .store(block.size as u64, Ordering::Relaxed);
+                shared.stamp_block(block.at, block.size, self.file_len);
                 Err(err)
             }
         }
@@ -600,6 +599,8 @@ impl Blocks {
         shared: &Arc<ShmShared>,
         deadline: Option<Instant>,
     ) -> Result<Block, RingError> {
+        // Set once every block is pinned and no room is left: when the wait began.
+        let mut waiting_since: Option<Instant> = None;
         loop {
             self.collect_unpinned(shared);
             let backed_first = self.free.iter().position(|b| b.backed);
@@ -611,19 +612,15 @@ impl Blocks {
                 if !block.backed {
                     shared.populate(block.at, block.size, true)?;
                     block.backed = true;
-                    shared
-                        .block(block.at, self.file_len)
-                        .size
-                        .store(block.size as u64, Ordering::Relaxed);
+                    // Its header went with its memory.
+                    shared.stamp_block(block.at, block.size, self.file_len);
                 }
-                self.waiting_since = None;
                 return Ok(block);
             }
             if self.file_len + self.stride <= shared.layout.reserve {
-                self.waiting_since = None;
                 return self.carve(shared);
             }
-            let since = *self.waiting_since.get_or_insert_with(|| {
+            let since = *waiting_since.get_or_insert_with(|| {
                 tracing::warn!(
                     blocks = self.kept.len(),
                     "every block of a shared-memory channel is pinned by values its readers \
@@ -683,10 +680,7 @@ impl Blocks {
         // The file is longer from here on, whatever happens next: the next block starts after.
         self.file_len = file_len;
         shared.populate(block.at, block.size, true)?;
-        shared
-            .block(block.at, file_len)
-            .size
-            .store(block.size as u64, Ordering::Relaxed);
+        shared.stamp_block(block.at, block.size, file_len);
         shared
             .header()
             .file_len
