@@ -1,5 +1,5 @@
 //! [`Buffer`]: bytes that cross processes without re-encoding and are read in place.
-use crate::channel::oob;
+use crate::value::frame;
 use bytes::Bytes;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
@@ -141,12 +141,12 @@ impl fmt::Debug for Buffer {
 
 impl Serialize for Buffer {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        oob::serialize_bytes(&self.0, serializer)
+        frame::serialize_bytes(&self.0, serializer)
     }
 }
 
 impl<'de> Deserialize<'de> for Buffer {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        oob::deserialize_bytes(deserializer).map(Buffer)
+        frame::deserialize_bytes(deserializer).map(Buffer)
     }
 }

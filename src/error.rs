@@ -181,3 +181,21 @@ impl Error {
         }
     }
 }
+
+/// A failed task, carried in place of a value to every downstream reader (an error frame).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub(crate) struct TaskError {
+    pub actor: String,
+    pub method: String,
+    pub message: String,
+}
+
+impl From<&TaskError> for Error {
+    fn from(e: &TaskError) -> Self {
+        Error::Task {
+            actor: e.actor.clone(),
+            method: e.method.clone(),
+            message: e.message.clone(),
+        }
+    }
+}

@@ -18,14 +18,14 @@ pub use actor::{Actor, ActorHandle, HandleCore, Placement, Runtime, SpawnOptions
 pub use adag_macros::actor;
 pub use buffer::Buffer;
 pub use comm::{CommError, CommId, Communicator, CommunicatorFactory, CommunicatorGroup, ReduceOp};
-pub use compile::{CommunicatorInfo, CompileOptions, DefaultCommunicator};
+pub use compile::{CompileOptions, DefaultCommunicator};
 pub use dag::collective;
 pub use dag::{
-    AnyNode, Arg, CustomCommunicator, Dag, ErasedArg, InputNode, IntoOutputs, MultiOutput, Node,
+    ActorRef, AnyNode, Arg, CustomCommunicator, Dag, ErasedArg, InputNode, MultiOutput, Node,
     Transport,
 };
 pub use error::{Capacity, Error, Result};
-pub use exec::{CompiledGraph, CompiledRef, RefSet, get_all};
+pub use exec::{CommunicatorInfo, CompiledGraph, CompiledRef, IntoOutputs, RefSet, get_all};
 pub use tensor::{DType, Device, Element, Tensor, TensorError};
 pub use value::{TypeTag, Value};
 
@@ -42,7 +42,7 @@ pub mod __private {
     pub use crate::actor::method::{method, method_split};
     pub use crate::actor::registry::{ACTOR_TYPES, ActorTypeEntry};
     pub use crate::actor::{FromHandleCore, HandleCore, MethodEntry};
-    pub use crate::compile::comms::COMM_FACTORIES;
+    pub use crate::comm::COMM_FACTORIES;
     pub use linkme;
 
     /// Run an async method to completion on the actor's own thread.

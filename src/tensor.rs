@@ -28,7 +28,7 @@
 //! assert!(t.as_slice::<i32>().is_err());
 //! # Ok::<(), adag::tensor::TensorError>(())
 //! ```
-use crate::Buffer;
+use crate::buffer::Buffer;
 use bytes::Bytes;
 use half::{bf16, f16};
 use serde::de::{self, Deserializer};

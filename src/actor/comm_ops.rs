@@ -12,11 +12,13 @@
 //! A communicator failure that can leave the ranks out of step (a timeout, an abort, a send
 //! or receive that failed half way) destroys the group: every rank then fails at once, each
 //! later execution returns the error, and nothing waits for a peer that will never come.
-use super::method::{LocalSlot, Op, TaskBuilder};
-use crate::channel::endpoint::{ChanError, EdgeReader, EdgeWriter, Msg, TaskError};
+use super::method::{Op, TaskBuilder};
+use crate::channel::slot::LocalSlot;
+use crate::channel::{ChanError, ChannelWriter, FanOut, Msg, Reader};
 use crate::comm::{CommError, Communicator, cpu::MAX_DIMS};
 use crate::compile::plan::{OpSpec, Stage};
 use crate::dag::collective::CollectiveKind;
+use crate::error::TaskError;
 use crate::tensor::{DType, Tensor};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
@@ -199,7 +201,7 @@ fn fail(comm: &dyn Communicator, e: &CommError, always: bool) {
 
 /// Receive one execution's tensor of an edge: metadata, then data.
 fn recv_one(
-    reader: &mut EdgeReader<TensorMeta>,
+    reader: &mut Reader<TensorMeta>,
     comm: &dyn Communicator,
     peer: usize,
     actor: &str,
@@ -223,7 +225,7 @@ fn recv_one(
 
 /// Send one execution's tensor of an edge: metadata to every reader, then data to each.
 fn send_one(
-    writer: &mut EdgeWriter<TensorMeta>,
+    writer: &mut FanOut<TensorMeta>,
     comm: &dyn Communicator,
     peers: &[usize],
     msg: Msg<Tensor>,
@@ -390,7 +392,7 @@ pub(crate) fn recv_slot<A, T: 'static>(
     let label = plan.label.clone();
     let slot = Rc::new(LocalSlot::<Tensor>::new(label.clone()));
     let comm = b.comm.comm(group)?;
-    let mut reader: EdgeReader<TensorMeta> = b.chans.reader(b.plan, edge, b.me)?;
+    let mut reader: Reader<TensorMeta> = b.chans.reader(b.plan, edge, b.me)?;
     let actor = b.actor_name.clone();
     let stages = b.comm.stages(Key::Recv(edge));
     if stages.contains(&Stage::Inline) {
@@ -460,7 +462,7 @@ pub(crate) fn send_slot<A, T: 'static>(
     let slot = Rc::new(LocalSlot::<Tensor>::new(label.clone()));
     slot.add_use();
     let comm = b.comm.comm(group)?;
-    let mut writer: EdgeWriter<TensorMeta> = b.chans.writer(b.plan, edge, b.me)?;
+    let mut writer: FanOut<TensorMeta> = b.chans.writer(b.plan, edge, b.me)?;
     let actor = b.actor_name.clone();
     let take = slot.clone();
     let stages = b.comm.stages(Key::Send(edge));
@@ -584,7 +586,7 @@ pub(crate) fn open_tickets(
     tickets: Vec<super::wire::CommTicket>,
     fds: Vec<std::os::fd::OwnedFd>,
 ) -> Result<CommMap, String> {
-    crate::compile::comms::register_linked_factories();
+    crate::comm::register_linked_factories();
     let want: usize = tickets.iter().map(|t| t.fds).sum();
     if want != fds.len() {
         return Err(format!(

@@ -1,10 +1,10 @@
 //! Where an actor lives and how it is reached: the control link (one-off calls, running a
 //! graph's schedule) and the loop that executes a schedule until its channels close.
+use super::channels::GraphChannels;
 use super::comm_ops::{CommCtx, CommGuard, CommMap, build_collective};
 use super::method::{CallFailure, Op, TaskBuilder, find};
 use super::worker::ProcessLink;
 use super::{Actor, MethodEntry};
-use crate::channel::endpoint::ProcChannels;
 use crate::compile::plan::{GraphPlan, Loc, OpSpec, Stage};
 use crate::error::{Error, Result};
 use crate::value::Value;
@@ -43,7 +43,7 @@ pub(crate) enum Control {
 /// Run a compiled graph's schedule until its channels close.
 pub(crate) struct RunRequest {
     pub plan: Arc<GraphPlan>,
-    pub chans: Arc<ProcChannels>,
+    pub chans: Arc<GraphChannels>,
     /// This actor's communicators, by group index of the plan.
     pub comms: CommMap,
     pub installed: Sender<Result<(), String>>,
@@ -139,7 +139,7 @@ pub(crate) trait ErasedHost: Send {
     fn run_graph(
         &mut self,
         plan: &GraphPlan,
-        chans: &ProcChannels,
+        chans: &GraphChannels,
         comms: &CommMap,
         installed: &mut dyn FnMut(Result<(), String>),
     ) -> String;
@@ -159,7 +159,7 @@ impl<A: Actor> Host<A> {
     fn build(
         &self,
         plan: &GraphPlan,
-        chans: &ProcChannels,
+        chans: &GraphChannels,
         comms: &CommMap,
     ) -> Result<(Vec<Op<A>>, CommGuard), String> {
         let me = Loc::Actor(self.id);
@@ -238,7 +238,7 @@ impl<A: Actor> ErasedHost for Host<A> {
     fn run_graph(
         &mut self,
         plan: &GraphPlan,
-        chans: &ProcChannels,
+        chans: &GraphChannels,
         comms: &CommMap,
         installed: &mut dyn FnMut(Result<(), String>),
     ) -> String {

@@ -4,12 +4,14 @@
 //! generic code here turns it into the operations of an actor's schedule. All type dispatch
 //! happens once, when the schedule is installed: the loop then runs boxed closures over
 //! typed slots and channels, with no lookup by name.
-use super::MethodSig;
-use crate::channel::endpoint::{ChanError, EdgeReader, EdgeWriter, Msg, ProcChannels, TaskError};
+use super::channels::GraphChannels;
+use crate::channel::slot::LocalSlot;
+use crate::channel::{ChanError, ChannelReader, ChannelWriter, Msg};
 use crate::compile::plan::{ArgSource, GraphPlan, Loc};
+use crate::dag::MethodSig;
+use crate::error::TaskError;
 use crate::value::{TypeTag, Value, decode, encode};
 use std::any::Any;
-use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::rc::Rc;
@@ -209,60 +211,6 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
     }
 }
 
-/// A value held by an actor between the operations of one execution. Its readers take it
-/// in turn: all but the last get a clone, the last gets the value itself.
-#[doc(hidden)]
-pub struct LocalSlot<T> {
-    value: RefCell<Option<Msg<T>>>,
-    uses: Cell<usize>,
-    left: Cell<usize>,
-    label: String,
-}
-
-impl<T: Clone> LocalSlot<T> {
-    pub(crate) fn new(label: String) -> Self {
-        LocalSlot {
-            value: RefCell::new(None),
-            uses: Cell::new(0),
-            left: Cell::new(0),
-            label,
-        }
-    }
-
-    pub(crate) fn add_use(&self) {
-        self.uses.set(self.uses.get() + 1);
-    }
-
-    pub(crate) fn put(&self, msg: Msg<T>) {
-        self.left.set(self.uses.get());
-        if self.uses.get() > 0 {
-            *self.value.borrow_mut() = Some(msg);
-        }
-    }
-
-    pub(crate) fn take(&self) -> Msg<T> {
-        let left = self.left.get();
-        assert!(
-            left > 0,
-            "schedule bug: slot {} read more often than planned",
-            self.label
-        );
-        self.left.set(left - 1);
-        let mut value = self.value.borrow_mut();
-        if left == 1 {
-            value.take()
-        } else {
-            value.clone()
-        }
-        .unwrap_or_else(|| {
-            panic!(
-                "schedule bug: slot {} read before it was written",
-                self.label
-            )
-        })
-    }
-}
-
 /// Where one argument of a compute operation comes from, once built.
 pub enum ArgReader<T> {
     #[doc(hidden)]
@@ -384,7 +332,7 @@ split_tuple!(T0 0, T1 1, T2 2, T3 3, T4 4, T5 5, T6 6, T7 7);
 pub(crate) struct TaskBuilder<'a, A> {
     pub(crate) plan: &'a GraphPlan,
     pub(crate) me: Loc,
-    pub(crate) chans: &'a ProcChannels,
+    pub(crate) chans: &'a GraphChannels,
     pub(crate) actor_name: String,
     slots: HashMap<u64, Rc<dyn Any>>,
     pub(crate) reads: HashMap<u64, Op<A>>,
@@ -397,7 +345,7 @@ impl<'a, A> TaskBuilder<'a, A> {
     pub(crate) fn new(
         plan: &'a GraphPlan,
         me: Loc,
-        chans: &'a ProcChannels,
+        chans: &'a GraphChannels,
         actor_name: String,
     ) -> Self {
         TaskBuilder {
@@ -455,14 +403,11 @@ impl<'a, A> TaskBuilder<'a, A> {
         }
         let plan = self.plan.edge(edge)?;
         let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
-        let mut reader: EdgeReader<T> = self.chans.reader(self.plan, edge, self.me)?;
-        let fill = slot.clone();
+        let mut reader = self.chans.reader::<T>(self.plan, edge, self.me)?;
+        let mut fill = slot.clone();
         self.reads.insert(
             edge,
-            Box::new(move |_: &mut A| {
-                fill.put(reader.read(None)?);
-                Ok(())
-            }),
+            Box::new(move |_: &mut A| fill.write(reader.read(None)?, None)),
         );
         self.slots.insert(edge, slot.clone());
         Ok(slot)
@@ -480,15 +425,15 @@ impl<'a, A> TaskBuilder<'a, A> {
         let plan = self.plan.edge(edge)?;
         let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
         if plan.has_channel() {
-            let mut writer: EdgeWriter<T> = self.chans.writer(self.plan, edge, self.me)?;
+            let mut writer = self.chans.writer::<T>(self.plan, edge, self.me)?;
             slot.add_use();
-            let take = slot.clone();
+            let mut take = slot.clone();
             let actor = self.actor_name.clone();
             let label = plan.label.clone();
             self.writes.insert(
                 edge,
                 Box::new(move |_: &mut A| {
-                    let msg = take.take();
+                    let msg = take.read(None)?;
                     match writer.write(msg, None) {
                         // The value cannot travel; its readers get an error instead.
                         Err(ChanError::TooLarge { size, limit }) => writer.write(

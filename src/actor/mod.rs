@@ -1,6 +1,6 @@
 //! Actors: the trait `#[actor]` implements, handles, one-off calls, and where actors live
 //! (a thread of the driver's process or a worker process of their own).
-use crate::dag::{AnyNode, ErasedArg, Node, method_node};
+use crate::dag::{ActorInfo, ActorRef, AnyNode, ErasedArg, MethodSig, Node, method_node};
 use crate::error::{Error, Result};
 use crate::value::{TypeTag, Value};
 use parking_lot::Mutex;
@@ -9,6 +9,7 @@ use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub(crate) mod channels;
 pub(crate) mod comm_ops;
 pub(crate) mod host;
 pub(crate) mod method;
@@ -47,22 +48,13 @@ pub trait FromHandleCore: Send + Sync + 'static {
     fn from_core(core: HandleCore) -> Self;
 }
 
-/// The signature of an exported method, as the compiler checks it.
-#[derive(Debug, Clone)]
-pub(crate) struct MethodSig {
-    pub args: Vec<TypeTag>,
-    /// The parameter names, for error messages.
-    pub names: &'static [&'static str],
-    pub ret: TypeTag,
-}
-
 static NEXT_ACTOR_ID: AtomicU64 = AtomicU64::new(1);
 
 pub(crate) fn next_actor_id() -> u64 {
     NEXT_ACTOR_ID.fetch_add(1, Ordering::Relaxed)
 }
 
-/// The untyped handle of an actor (what nodes and graphs hold).
+/// The untyped handle of an actor: what generated code and the driver hold.
 #[derive(Clone)]
 pub struct HandleCore(pub(crate) Arc<ActorShared>);
 
@@ -77,6 +69,54 @@ pub(crate) struct ActorShared {
     pub live_graph: Arc<Mutex<Option<u64>>>,
     /// The device whose tensors the actor computes on (chooses `Transport::Auto`).
     pub device: crate::tensor::Device,
+}
+
+impl ActorInfo for ActorShared {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn signature(&self, method: &str) -> Option<MethodSig> {
+        (self.signature)(method)
+    }
+
+    fn method_names(&self) -> Vec<&'static str> {
+        (self.method_names)()
+    }
+
+    fn device(&self) -> crate::tensor::Device {
+        self.device
+    }
+
+    /// 0 for actors in the driver's process, else the actor's own process number.
+    fn process(&self) -> u64 {
+        match &self.link {
+            host::ActorLink::Thread(_) => 0,
+            host::ActorLink::Process(_) => self.id,
+        }
+    }
+}
+
+impl<A: Actor> From<&ActorHandle<A>> for ActorRef {
+    fn from(h: &ActorHandle<A>) -> ActorRef {
+        h.core().actor_ref()
+    }
+}
+
+impl From<&HandleCore> for ActorRef {
+    fn from(h: &HandleCore) -> ActorRef {
+        h.actor_ref()
+    }
+}
+
+impl From<HandleCore> for ActorRef {
+    fn from(h: HandleCore) -> ActorRef {
+        h.actor_ref()
+    }
 }
 
 impl fmt::Debug for HandleCore {
@@ -106,21 +146,32 @@ impl HandleCore {
         self.0.device
     }
 
-    /// 0 for actors in the driver's process, else the actor's own process number.
-    pub(crate) fn process(&self) -> u64 {
-        match &self.0.link {
-            host::ActorLink::Thread(_) => 0,
-            host::ActorLink::Process(_) => self.0.id,
-        }
-    }
-
     pub(crate) fn same(&self, other: &HandleCore) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
 
+    /// The actor as graphs refer to it.
+    pub fn actor_ref(&self) -> ActorRef {
+        ActorRef(self.0.clone())
+    }
+
+    /// The handle of the actor behind a graph's reference, if it is one of this runtime's.
+    pub(crate) fn of(actor: &ActorRef) -> Option<HandleCore> {
+        actor
+            .as_any()
+            .downcast::<ActorShared>()
+            .ok()
+            .map(HandleCore)
+    }
+
     /// Bind a method into a graph (used by generated code).
     pub fn bind<R: Value>(&self, method: &str, args: Vec<ErasedArg>) -> Node<R> {
-        Node::from_inner(method_node(self.clone(), method, args, TypeTag::of::<R>()))
+        Node::from_inner(method_node(
+            self.actor_ref(),
+            method,
+            args,
+            TypeTag::of::<R>(),
+        ))
     }
 
     /// One-off call outside any graph (used by generated code): the slow path.
@@ -158,7 +209,7 @@ impl DynMethod {
             .unwrap_or(TypeTag::of::<UnknownMethod>());
         AnyNode {
             inner: method_node(
-                self.actor.clone(),
+                self.actor.actor_ref(),
                 &self.name,
                 args.into_iter().collect(),
                 ret,

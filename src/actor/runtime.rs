@@ -2,7 +2,8 @@
 use super::host::{ActorLink, Control, ThreadLink, host_loop};
 use super::method::panic_text;
 use super::worker::ProcessLink;
-use super::{Actor, ActorHandle, ActorShared, HandleCore, MethodSig, next_actor_id};
+use super::{Actor, ActorHandle, ActorShared, HandleCore, next_actor_id};
+use crate::dag::MethodSig;
 use crate::error::{Error, Result};
 use crate::tensor::Device;
 use crate::value::encode;
@@ -80,7 +81,7 @@ fn short_type_name(full: &str) -> &str {
 impl Runtime {
     /// A runtime for this driver process.
     pub fn new() -> Result<Self> {
-        crate::init();
+        super::worker::maybe_run_worker();
         Ok(Runtime::default())
     }
 

@@ -3,7 +3,9 @@
 //! checked: a typed error (or a clean `Ok(None)` for a closed peer), never a panic, an abort,
 //! a hang or a leaked fd.
 use super::wire::{self, FromWorker, ToWorker, WireFailure};
-use crate::compile::plan::{ActorPlan, ArgSource, EdgePlan, GraphPlan, Loc, OpSpec, ShmEdge};
+use crate::compile::plan::{
+    ActorPlan, ArgSource, ChannelKind, ChannelPlan, EdgePlan, GraphPlan, Loc, OpSpec,
+};
 use proptest::prelude::*;
 use rustix::net::SendFlags;
 use std::collections::BTreeMap;
@@ -40,12 +42,19 @@ fn plan() -> GraphPlan {
             label: "a.f#7".into(),
             ty: "u64".into(),
             writer: Loc::Actor(1),
-            local_readers: vec![Loc::Driver],
-            shm: Some(ShmEdge {
-                chan: 3,
-                readers: vec![Loc::Actor(2)],
-            }),
             same_actor: false,
+            channels: vec![
+                ChannelPlan {
+                    id: 7,
+                    kind: ChannelKind::InProcess,
+                    readers: vec![Loc::Driver],
+                },
+                ChannelPlan {
+                    id: 3,
+                    kind: ChannelKind::SharedMemory,
+                    readers: vec![Loc::Actor(2)],
+                },
+            ],
         },
     );
     GraphPlan {

@@ -5,12 +5,12 @@
 //! fires when the *thread* that forked the child exits: so workers die with the driver
 //! process, not with whichever thread happened to spawn them. A monitor thread per worker
 //! waits for the child to exit, reaps it at once (no zombie) and tears down its graph.
+use super::channels::GraphChannels;
 use super::host::{Control, RunRequest, host_loop};
 use super::method::CallFailure;
 use super::registry;
 use super::wire::{self, FromWorker, ToWorker, WireFailure};
-use crate::channel::endpoint::ProcChannels;
-use crate::channel::shm::ShmChannel;
+use crate::channel::wait::DEFAULT_SPIN;
 use crate::compile::plan::{GraphPlan, Loc};
 use crate::error::{Error, Result};
 use crate::value::{Value, decode, encode};
@@ -326,7 +326,7 @@ impl ProcessLink {
         &self,
         actor: u64,
         plan: Arc<GraphPlan>,
-        chans: &ProcChannels,
+        chans: &GraphChannels,
         installed: Sender<Result<(), String>>,
         done: Sender<String>,
         comms: (Vec<super::wire::CommTicket>, Vec<BorrowedFd<'_>>),
@@ -345,16 +345,7 @@ impl ProcessLink {
                     )
                 })?;
         }
-        let me = Loc::Actor(actor);
-        let mut ids = Vec::new();
-        for e in plan.edges.values() {
-            if let Some(s) = &e.shm
-                && (e.writer == me || s.readers.contains(&me))
-            {
-                ids.push(s.chan);
-            }
-        }
-        let fds: Vec<BorrowedFd<'_>> = ids.iter().map(|c| chans.shm[c].fd()).collect();
+        let (ids, fds) = chans.handed_to(&plan, Loc::Actor(actor))?;
         {
             let mut g = self.shared.graph.lock();
             g.installed = Some(installed);
@@ -581,38 +572,23 @@ fn worker_main(sock: OwnedFd) -> i32 {
                 comms = super::comm_ops::open_tickets(tickets, fds);
             }
             ToWorker::Install { plan, chans } => {
-                let mut shm = HashMap::new();
-                let mut error = None;
                 let comms = std::mem::replace(&mut comms, Ok(HashMap::new()));
-                let comms = comms.unwrap_or_else(|e| {
-                    error = Some(e);
-                    HashMap::new()
+                let opened = comms.and_then(|comms| {
+                    GraphChannels::open(&chans, fds, DEFAULT_SPIN).map(|chans| (comms, chans))
                 });
-                if fds.len() != chans.len() {
-                    error = Some(format!(
-                        "expected {} channel fds, got {}",
-                        chans.len(),
-                        fds.len()
-                    ));
-                }
-                for (id, fd) in chans.iter().zip(fds) {
-                    match ShmChannel::open(fd) {
-                        Ok(ch) => {
-                            shm.insert(*id, ch);
-                        }
-                        Err(e) => error = Some(format!("cannot map channel {id}: {e}")),
+                let (comms, graph_chans) = match opened {
+                    Ok(opened) => opened,
+                    Err(e) => {
+                        send(&FromWorker::Installed(Err(e)));
+                        send(&FromWorker::GraphDone("install failed".into()));
+                        continue;
                     }
-                }
-                if let Some(e) = error {
-                    send(&FromWorker::Installed(Err(e)));
-                    send(&FromWorker::GraphDone("install failed".into()));
-                    continue;
-                }
+                };
                 let (installed, installed_rx) = crossbeam_channel::bounded(1);
                 let (done, done_rx) = crossbeam_channel::bounded(1);
                 let request = RunRequest {
                     plan: Arc::new(plan),
-                    chans: Arc::new(ProcChannels::new(shm)),
+                    chans: Arc::new(graph_chans),
                     comms,
                     installed,
                     done,

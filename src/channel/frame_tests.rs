@@ -2,19 +2,16 @@
 //! reader's type (a stale worker binary whose declared type differs), truncated frames and
 //! random frame bytes (proptest). What is checked: a typed `ChanError::Codec` naming the
 //! reader's type, and the channel still in step afterwards; never a panic, UB or a hang.
-use super::endpoint::{ChanError, EdgeReader, EdgeWriter, Msg, ProcChannels, TaskError};
-use super::shm::{ShmChannel, ShmConfig};
+use super::shm::{ShmChannel, ShmConfig, ShmRx, ShmTx};
+use super::{ChanError, ChannelReader, ChannelWriter, Msg};
+use crate::error::TaskError;
 use crate::value::Value;
 use proptest::prelude::*;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const EDGE: u64 = 1;
-const CHAN: u64 = 0;
-
-fn chans(depth: u32) -> ProcChannels {
+fn chans(depth: u32) -> ShmChannel {
     let cfg = ShmConfig {
         depth,
         readers: 1,
@@ -22,17 +19,12 @@ fn chans(depth: u32) -> ProcChannels {
         max_message_bytes: 1 << 20,
         ..ShmConfig::default()
     };
-    let ch = ShmChannel::create(&cfg, "frame-tests").expect("create a shared-memory channel");
-    ProcChannels::new(HashMap::from([(CHAN, ch)]))
+    ShmChannel::create(&cfg, "frame-tests").expect("create a shared-memory channel")
 }
 
 /// A writer of `W` and a reader of `R` on one shared-memory edge.
-fn typed_pair<W: Value, R: Value>(pc: &ProcChannels) -> (EdgeWriter<W>, EdgeReader<R>) {
-    let w = pc
-        .local_writer::<W>(EDGE, 0, Some(CHAN), 4)
-        .expect("writer");
-    let r = pc.shm_reader::<R>(EDGE, CHAN, 0).expect("reader");
-    (w, r)
+fn typed_pair<W: Value, R: Value>(pc: &ShmChannel) -> (ShmTx<W>, ShmRx<R>) {
+    (ShmTx::new(pc.writer()), ShmRx::new(pc.reader(0)))
 }
 
 fn soon() -> Option<Instant> {
@@ -159,9 +151,7 @@ impl<'de> Deserialize<'de> for Unserializable {
 #[test]
 fn a_value_that_fails_to_encode_is_a_codec_error() {
     let pc = chans(4);
-    let mut w = pc
-        .local_writer::<Unserializable>(EDGE, 0, Some(CHAN), 4)
-        .expect("writer");
+    let mut w = ShmTx::<Unserializable>::new(pc.writer());
     match w.write(Msg::Value(Unserializable), soon()) {
         // postcard keeps no custom serializer message; the error names the type instead.
         Err(ChanError::Codec(text)) => assert!(
@@ -175,11 +165,12 @@ fn a_value_that_fails_to_encode_is_a_codec_error() {
 /// The frame of `value`, as the typed writer puts it in a slot.
 fn frame_of<T: Serialize>(value: &T) -> Vec<u8> {
     let mut buf = vec![0; 64];
-    match super::oob::encode(value, &mut buf) {
+    match crate::value::frame::encode(value, &mut buf) {
         Ok(len) => buf.truncate(len),
-        Err(super::oob::EncodeError::TooSmall(needed)) => {
+        Err(crate::value::frame::EncodeError::TooSmall(needed)) => {
             buf = vec![0; needed];
-            let len = super::oob::encode(value, &mut buf).expect("encode into the size asked for");
+            let len = crate::value::frame::encode(value, &mut buf)
+                .expect("encode into the size asked for");
             assert_eq!(len, needed);
         }
         Err(e) => panic!("{e:?}"),
@@ -188,7 +179,7 @@ fn frame_of<T: Serialize>(value: &T) -> Vec<u8> {
 }
 
 /// Writes `bytes` as one frame of kind `tag`, bypassing the typed encoder.
-fn write_raw(pc: &ProcChannels, w: &mut super::shm::ShmWriter, tag: u8, bytes: &[u8]) {
+fn write_raw(pc: &ShmChannel, w: &mut super::shm::ShmWriter, tag: u8, bytes: &[u8]) {
     let _ = pc;
     w.write(
         tag,
@@ -209,8 +200,8 @@ fn read_random_frames<T: Value + std::fmt::Debug>(
     frames: &[(u8, Vec<u8>)],
 ) -> Result<(), TestCaseError> {
     let pc = chans(2);
-    let mut w = pc.shm[&CHAN].writer();
-    let mut r = pc.shm_reader::<T>(EDGE, CHAN, 0).expect("reader");
+    let mut w = pc.writer();
+    let mut r = ShmRx::<T>::new(pc.reader(0));
     for (tag, bytes) in frames {
         write_raw(&pc, &mut w, *tag, bytes);
         let t = Instant::now();
@@ -279,8 +270,8 @@ proptest! {
         let bytes = frame_of(&v);
         let k = cut.index(bytes.len());
         let pc = chans(2);
-        let mut w = pc.shm[&CHAN].writer();
-        let mut r = pc.shm_reader::<ReplyV2>(EDGE, CHAN, 0).expect("reader");
+        let mut w = pc.writer();
+        let mut r = ShmRx::<ReplyV2>::new(pc.reader(0));
         write_raw(&pc, &mut w, 0, &bytes[..k]);
         match r.read(soon()) {
             Err(ChanError::Codec(text)) => prop_assert!(text.contains("ReplyV2"), "{}", text),

@@ -12,8 +12,8 @@
 
 use std::time::Duration;
 
-use super::ring::test_slots::Slots;
-use super::ring::{self, HeapRing, RingError, RingMemory, RingReader, RingWriter};
+use super::shm::ring::test_slots::Slots;
+use super::shm::ring::{self, HeapRing, RingError, RingMemory, RingReader, RingWriter};
 use crate::sync::{Arc, AtomicU32, UnsafeCell, thread};
 
 /// Under loom the backoff yields once and then sleeps, whatever the budget.

@@ -1,10 +1,131 @@
-//! Channels: one per edge of a compiled graph.
-pub(crate) mod endpoint;
+//! Channels: each moves the messages of one writer to its readers, one message per execution,
+//! in order, with back-pressure, close and error frames. Channels know nothing of graphs:
+//! whoever wires a graph (the runtime's [`GraphChannels`](crate::actor::channels)) picks a
+//! kind for each reader by where it lives and opens the ends; the executor and the actor loop
+//! then see only [`ChannelWriter`] and [`ChannelReader`].
+//!
+//! The kinds, one module each:
+//! - [`slot`]: the writing actor reads its own value (no copy, no synchronisation);
+//! - [`local`]: a reader in the writer's process (in memory, no serialization);
+//! - [`shm`]: readers in other processes of the host (one shared-memory ring for all of them,
+//!   encoded once, large payloads read in place).
+//!
+//! A writer with readers of several kinds writes through a [`FanOut`].
+use crate::error::TaskError;
+use std::sync::Arc;
+use std::time::Instant;
+
 #[cfg(all(test, not(loom)))]
 mod frame_tests;
+pub(crate) mod local;
 #[cfg(all(test, loom))]
 mod loom_tests;
-pub(crate) mod oob;
-pub(crate) mod ring;
 pub(crate) mod shm;
+pub(crate) mod slot;
 pub(crate) mod wait;
+
+/// What one slot of a channel carries: a value, or the error of the task that should have
+/// produced it.
+#[derive(Debug, Clone)]
+pub(crate) enum Msg<T> {
+    Value(T),
+    Error(Arc<TaskError>),
+}
+
+/// Why a channel operation did not complete.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ChanError {
+    /// The channel was closed (teardown, a peer left or died).
+    Closed,
+    /// The deadline passed.
+    Timeout,
+    /// The message exceeds the channel's ceiling.
+    TooLarge { size: usize, limit: usize },
+    /// Encoding or decoding failed.
+    Codec(String),
+}
+
+/// The writing end of a channel, whatever its kind.
+pub(crate) trait ChannelWriter<T> {
+    /// Writes one message, waiting for room until `deadline` (`None`: until the channel
+    /// closes).
+    fn write(&mut self, msg: Msg<T>, deadline: Option<Instant>) -> Result<(), ChanError>;
+
+    /// Writes a value the caller keeps. Kinds that encode it (shared memory) read it in place;
+    /// kinds that hand the value itself over take a clone.
+    fn write_ref(&mut self, value: &T, deadline: Option<Instant>) -> Result<(), ChanError>
+    where
+        T: Clone,
+    {
+        self.write(Msg::Value(value.clone()), deadline)
+    }
+
+    /// Whether this end hands the value itself to its reader (and so needs a copy of its own),
+    /// rather than encoding it.
+    fn moves_values(&self) -> bool;
+}
+
+/// The reading end of a channel, whatever its kind.
+pub(crate) trait ChannelReader<T> {
+    /// Reads the next message, waiting until `deadline` (`None`: until the channel closes).
+    /// Messages written before a close are still delivered, then the close.
+    fn read(&mut self, deadline: Option<Instant>) -> Result<Msg<T>, ChanError>;
+}
+
+/// A writing end that can cross threads (the driver's, or one an actor builds and keeps).
+pub(crate) type Writer<T> = Box<dyn ChannelWriter<T> + Send>;
+/// A reading end that can cross threads.
+pub(crate) type Reader<T> = Box<dyn ChannelReader<T> + Send>;
+
+/// One writer's ends of several channels (one per reader kind): a message goes to every end,
+/// encoded by reference where the end encodes, moved to the last end that takes the value
+/// itself and cloned for the others.
+pub(crate) struct FanOut<T> {
+    encoding: Vec<Writer<T>>,
+    moving: Vec<Writer<T>>,
+}
+
+impl<T> FanOut<T> {
+    pub(crate) fn new(ends: Vec<Writer<T>>) -> Self {
+        let (moving, encoding) = ends.into_iter().partition(|e| e.moves_values());
+        FanOut { encoding, moving }
+    }
+}
+
+impl<T: Clone> ChannelWriter<T> for FanOut<T> {
+    fn write(&mut self, msg: Msg<T>, deadline: Option<Instant>) -> Result<(), ChanError> {
+        match &msg {
+            Msg::Value(v) => {
+                for end in &mut self.encoding {
+                    end.write_ref(v, deadline)?;
+                }
+            }
+            Msg::Error(_) => {
+                for end in &mut self.encoding {
+                    end.write(msg.clone(), deadline)?;
+                }
+            }
+        }
+        let Some((last, rest)) = self.moving.split_last_mut() else {
+            return Ok(());
+        };
+        for end in rest {
+            end.write(msg.clone(), deadline)?;
+        }
+        last.write(msg, deadline)
+    }
+
+    fn write_ref(&mut self, value: &T, deadline: Option<Instant>) -> Result<(), ChanError> {
+        for end in &mut self.encoding {
+            end.write_ref(value, deadline)?;
+        }
+        for end in &mut self.moving {
+            end.write(Msg::Value(value.clone()), deadline)?;
+        }
+        Ok(())
+    }
+
+    fn moves_values(&self) -> bool {
+        !self.moving.is_empty()
+    }
+}

@@ -51,7 +51,7 @@ use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Once, RwLock};
 use std::time::Duration;
 use zerocopy::FromBytes;
 
@@ -567,6 +567,45 @@ pub fn factory(transport: &str) -> Option<Arc<dyn CommunicatorFactory>> {
         return Some(f.clone());
     }
     (transport == cpu::TRANSPORT).then(|| Arc::new(cpu::CpuFactory::default()) as _)
+}
+
+/// Communicator factories linked into this executable ([`communicator_factory!`]), registered
+/// in every process (driver and workers) before a group is made or opened.
+///
+/// [`communicator_factory!`]: crate::communicator_factory
+#[linkme::distributed_slice]
+pub static COMM_FACTORIES: [fn() -> Arc<dyn CommunicatorFactory>];
+
+/// Register a [`CommunicatorFactory`] at link time, so that worker processes (which never
+/// reach `main`) can open ranks of its groups too. Takes a function
+/// `fn() -> Arc<dyn CommunicatorFactory>`; the factory is registered (as with
+/// [`register_factory`](crate::comm::register_factory)) the first time a graph with
+/// communicators is compiled or installed in each process.
+///
+/// ```ignore
+/// fn make() -> Arc<dyn adag::comm::CommunicatorFactory> { Arc::new(MyNcclFactory::default()) }
+/// adag::communicator_factory!(make);
+/// ```
+#[macro_export]
+macro_rules! communicator_factory {
+    ($make:path) => {
+        const _: () = {
+            #[$crate::__private::linkme::distributed_slice($crate::__private::COMM_FACTORIES)]
+            #[linkme(crate = $crate::__private::linkme)]
+            static REGISTER: fn() -> ::std::sync::Arc<dyn $crate::comm::CommunicatorFactory> =
+                $make;
+        };
+    };
+}
+
+/// Registers the link-time factories once per process.
+pub(crate) fn register_linked_factories() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        for make in COMM_FACTORIES {
+            register_factory(make());
+        }
+    });
 }
 
 /// Opens `rank` of the group of `ticket` with the factory of its transport.

@@ -15,57 +15,15 @@
 //!
 //! Groups made by `Create` use the CPU backend (`"cpu"`), or `"nccl"` when every actor of the
 //! group is on a CUDA device (that factory comes from the NCCL crate).
-use crate::DefaultCommunicator;
-use crate::actor::HandleCore;
-use crate::actor::wire::CommTicket;
-use crate::comm::{self, CommId, Communicator, CommunicatorFactory, CommunicatorGroup};
+use super::DefaultCommunicator;
+use crate::comm::{self, register_linked_factories};
 use crate::compile::plan::Loc;
 use crate::dag::collective::CollectiveGroup;
-use crate::dag::{CustomCommunicator, NodeInner, NodeKind, Transport};
+use crate::dag::{ActorRef, CustomCommunicator, NodeInner, NodeKind, Transport};
 use crate::error::{Error, Result};
 use crate::tensor::Device;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::os::fd::BorrowedFd;
-use std::sync::{Arc, Once};
-
-/// Communicator factories linked into this executable ([`communicator_factory!`]), registered
-/// in every process (driver and workers) before a group is made or opened.
-///
-/// [`communicator_factory!`]: crate::communicator_factory
-#[linkme::distributed_slice]
-pub static COMM_FACTORIES: [fn() -> Arc<dyn CommunicatorFactory>];
-
-/// Register a [`CommunicatorFactory`] at link time, so that worker processes (which never
-/// reach `main`) can open ranks of its groups too. Takes a function
-/// `fn() -> Arc<dyn CommunicatorFactory>`; the factory is registered (as with
-/// [`register_factory`](crate::comm::register_factory)) the first time a graph with
-/// communicators is compiled or installed in each process.
-///
-/// ```ignore
-/// fn make() -> Arc<dyn adag::comm::CommunicatorFactory> { Arc::new(MyNcclFactory::default()) }
-/// adag::communicator_factory!(make);
-/// ```
-#[macro_export]
-macro_rules! communicator_factory {
-    ($make:path) => {
-        const _: () = {
-            #[$crate::__private::linkme::distributed_slice($crate::__private::COMM_FACTORIES)]
-            #[linkme(crate = $crate::__private::linkme)]
-            static REGISTER: fn() -> ::std::sync::Arc<dyn $crate::comm::CommunicatorFactory> =
-                $make;
-        };
-    };
-}
-
-/// Registers the link-time factories once per process.
-pub(crate) fn register_linked_factories() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        for make in COMM_FACTORIES {
-            comm::register_factory(make());
-        }
-    });
-}
+use std::sync::Arc;
 
 /// Where a group comes from.
 #[derive(Clone)]
@@ -81,19 +39,19 @@ pub(crate) enum GroupSource {
 pub(crate) struct GroupPlan {
     pub index: u32,
     /// The actors in rank order.
-    pub actors: Vec<HandleCore>,
+    pub actors: Vec<ActorRef>,
     pub source: GroupSource,
     /// The nodes that use it.
     pub users: Vec<String>,
 }
 
 impl GroupPlan {
-    fn rank(&self, actor: u64) -> Option<usize> {
+    pub(crate) fn rank(&self, actor: u64) -> Option<usize> {
         self.actors.iter().position(|a| a.id() == actor)
     }
 
     fn set(&self) -> BTreeSet<u64> {
-        self.actors.iter().map(HandleCore::id).collect()
+        self.actors.iter().map(ActorRef::id).collect()
     }
 }
 
@@ -121,21 +79,6 @@ pub(crate) struct CommPlan {
     pub edges: BTreeMap<u64, EdgeComm>,
     /// By collective id.
     pub collectives: BTreeMap<u64, CollComm>,
-}
-
-/// What one communicator group of a compiled graph is (`CompiledGraph::communicators`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CommunicatorInfo {
-    /// The group's identity.
-    pub id: CommId,
-    /// Its transport (`"cpu"`, `"nccl"`...).
-    pub transport: String,
-    /// The actors' names in rank order.
-    pub actors: Vec<String>,
-    /// Whether the graph made it (`DefaultCommunicator::Create`) rather than the user.
-    pub created: bool,
-    /// The nodes that use it: collectives and edges.
-    pub users: Vec<String>,
 }
 
 fn device_comm(writer: Device, readers: &[Device]) -> bool {
@@ -178,7 +121,7 @@ impl Builder<'_> {
         Ok(i)
     }
 
-    fn push(&mut self, actors: Vec<HandleCore>, source: GroupSource, user: &str) -> u32 {
+    fn push(&mut self, actors: Vec<ActorRef>, source: GroupSource, user: &str) -> u32 {
         let index = self.plan.groups.len() as u32;
         self.plan.groups.push(GroupPlan {
             index,
@@ -190,7 +133,7 @@ impl Builder<'_> {
     }
 }
 
-fn names(actors: &[HandleCore]) -> Vec<String> {
+pub(crate) fn names(actors: &[ActorRef]) -> Vec<String> {
     actors.iter().map(|a| a.name().to_string()).collect()
 }
 
@@ -198,7 +141,7 @@ fn names(actors: &[HandleCore]) -> Vec<String> {
 pub(crate) fn resolve(
     nodes: &BTreeMap<u64, Arc<NodeInner>>,
     readers: &BTreeMap<u64, BTreeSet<Loc>>,
-    actors: &BTreeMap<u64, HandleCore>,
+    actors: &BTreeMap<u64, ActorRef>,
     default: &DefaultCommunicator,
 ) -> Result<CommPlan> {
     // Point-to-point edges: which ones use a communicator, and which one they name.
@@ -283,7 +226,7 @@ pub(crate) fn resolve(
     };
     let mut created_for_collectives: Vec<u32> = Vec::new();
     for (id, (group, label)) in &colls {
-        let members: Vec<HandleCore> = group
+        let members: Vec<ActorRef> = group
             .inputs
             .iter()
             .map(|n| {
@@ -292,9 +235,9 @@ pub(crate) fn resolve(
                     .expect("checked: every collective input is on an actor")
             })
             .collect();
-        let set: BTreeSet<u64> = members.iter().map(HandleCore::id).collect();
+        let set: BTreeSet<u64> = members.iter().map(ActorRef::id).collect();
         let check_same = |c: &CustomCommunicator| -> Result<()> {
-            let theirs: BTreeSet<u64> = c.actors.iter().map(HandleCore::id).collect();
+            let theirs: BTreeSet<u64> = c.actors.iter().map(ActorRef::id).collect();
             if theirs != set {
                 return Err(Error::compile(
                     label.clone(),
@@ -359,7 +302,7 @@ pub(crate) fn resolve(
         let mut set: BTreeSet<u64> = e.readers.iter().copied().collect();
         set.insert(e.writer);
         let check_includes = |c: &CustomCommunicator| -> Result<()> {
-            let theirs: BTreeSet<u64> = c.actors.iter().map(HandleCore::id).collect();
+            let theirs: BTreeSet<u64> = c.actors.iter().map(ActorRef::id).collect();
             if !set.is_subset(&theirs) {
                 let mut ours = vec![actors[&e.writer].name().to_string()];
                 ours.extend(e.readers.iter().map(|r| actors[r].name().to_string()));
@@ -406,7 +349,7 @@ pub(crate) fn resolve(
         insert_edge(&mut b.plan, e.edge, e.writer, &e.readers, index);
     }
     if !leftovers.is_empty() {
-        let mut members: Vec<HandleCore> = Vec::new();
+        let mut members: Vec<ActorRef> = Vec::new();
         for &k in &leftovers {
             let e = &p2p[k];
             for a in std::iter::once(&e.writer).chain(&e.readers) {
@@ -445,7 +388,7 @@ fn insert_edge(plan: &mut CommPlan, edge: u64, writer: u64, readers: &[u64], gro
 }
 
 /// The transport of a group made for these actors.
-fn create_transport(actors: &[HandleCore], user: &str) -> Result<String> {
+fn create_transport(actors: &[ActorRef], user: &str) -> Result<String> {
     register_linked_factories();
     let cuda = actors
         .iter()
@@ -464,163 +407,4 @@ fn create_transport(actors: &[HandleCore], user: &str) -> Result<String> {
         ));
     }
     Ok(comm::cpu::TRANSPORT.into())
-}
-
-/// The groups of a started graph, in plan order.
-pub(crate) struct CommSetup {
-    pub groups: Vec<Arc<dyn CommunicatorGroup>>,
-    pub plan: CommPlan,
-}
-
-impl CommSetup {
-    /// Make the groups that `Create` asked for; take the custom ones as they are.
-    pub(crate) fn start(plan: CommPlan, graph: u64) -> Result<CommSetup> {
-        if !plan.groups.is_empty() {
-            register_linked_factories();
-        }
-        let mut groups: Vec<Arc<dyn CommunicatorGroup>> = Vec::with_capacity(plan.groups.len());
-        for g in &plan.groups {
-            let made = match &g.source {
-                GroupSource::Custom(c) => Ok(c.group.clone()),
-                GroupSource::Create { transport } => {
-                    let label = format!("adag-g{graph}-c{}", g.index);
-                    match comm::factory(transport) {
-                        None => Err(format!(
-                            "no communicator factory for transport {transport:?} is registered"
-                        )),
-                        Some(f) => f
-                            .create_group(g.actors.len(), &label)
-                            .map_err(|e| e.to_string()),
-                    }
-                }
-            };
-            match made {
-                Ok(group) => groups.push(group),
-                Err(e) => {
-                    for made in &groups {
-                        made.destroy();
-                    }
-                    return Err(Error::compile(
-                        g.users.first().cloned().unwrap_or_default(),
-                        format!(
-                            "cannot make the communicator group of actors {:?}: {e}",
-                            names(&g.actors)
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(CommSetup { groups, plan })
-    }
-
-    /// The groups and ranks of one actor.
-    fn memberships(&self, actor: u64) -> impl Iterator<Item = (u32, usize)> + '_ {
-        self.plan
-            .groups
-            .iter()
-            .filter_map(move |g| g.rank(actor).map(|r| (g.index, r)))
-    }
-
-    /// The communicators of a thread actor, by group index.
-    pub(crate) fn thread_comms(
-        &self,
-        actor: &HandleCore,
-    ) -> Result<HashMap<u32, Arc<dyn Communicator>>> {
-        let mut out = HashMap::new();
-        for (g, rank) in self.memberships(actor.id()) {
-            let c = self.groups[g as usize].communicator(rank).map_err(|e| {
-                Error::compile(
-                    actor.name(),
-                    format!("cannot hand rank {rank} of its communicator group to the actor: {e}"),
-                )
-            })?;
-            out.insert(g, c);
-        }
-        Ok(out)
-    }
-
-    /// The tickets of a process actor, with the descriptors to pass along, in order.
-    pub(crate) fn tickets(
-        &self,
-        actor: &HandleCore,
-    ) -> Result<(Vec<CommTicket>, Vec<BorrowedFd<'_>>)> {
-        let mut tickets = Vec::new();
-        let mut fds = Vec::new();
-        for (g, rank) in self.memberships(actor.id()) {
-            let group = &self.groups[g as usize];
-            let ticket = group.ticket().map_err(|e| {
-                Error::compile(
-                    actor.name(),
-                    format!(
-                        "this process actor cannot open rank {rank} of its communicator group: {e}"
-                    ),
-                )
-            })?;
-            let these = group.fds();
-            tickets.push(CommTicket {
-                group: g,
-                ticket,
-                rank,
-                fds: these.len(),
-            });
-            fds.extend(these);
-        }
-        Ok((tickets, fds))
-    }
-
-    /// What `CompiledGraph::communicators` shows.
-    pub(crate) fn infos(&self) -> Vec<CommunicatorInfo> {
-        self.plan
-            .groups
-            .iter()
-            .zip(&self.groups)
-            .map(|(p, g)| CommunicatorInfo {
-                id: g.id(),
-                transport: g.transport_name().to_string(),
-                actors: names(&p.actors),
-                created: matches!(p.source, GroupSource::Create { .. }),
-                users: p.users.clone(),
-            })
-            .collect()
-    }
-
-    /// Destroy every group (teardown, or a failed start): wakes every rank blocked in one.
-    pub(crate) fn destroy_all(&self) {
-        for g in &self.groups {
-            g.destroy();
-        }
-    }
-
-    /// Graphviz lines describing the groups and the communicator edges.
-    pub(crate) fn dot(&self) -> String {
-        use std::fmt::Write;
-        let mut out = String::new();
-        for (info, p) in self.infos().iter().zip(&self.plan.groups) {
-            let _ = writeln!(
-                out,
-                "  comm_{} [shape=component, label=\"communicator group {} ({}{})\\lranks: {}\\lused by: {}\\l\"];",
-                p.index,
-                p.index,
-                info.transport,
-                if info.created {
-                    ", created"
-                } else {
-                    ", custom"
-                },
-                info.actors.join(", ").replace('"', "\\\""),
-                info.users.join(", ").replace('"', "\\\""),
-            );
-        }
-        for (edge, e) in &self.plan.edges {
-            let _ = writeln!(
-                out,
-                "  n{edge} -> comm_{} [style=dashed, label=\"tensor via communicator {} (ranks {} -> {:?})\"];",
-                e.group,
-                e.group,
-                e.writer_rank,
-                e.readers.iter().map(|r| r.1).collect::<Vec<_>>()
-            );
-        }
-        out
-    }
 }

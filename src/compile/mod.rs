@@ -1,8 +1,9 @@
 //! Compilation: validate a graph, plan one channel per edge and one schedule per actor.
-use crate::actor::HandleCore;
-use crate::dag::{ArgInner, DagInner, InputKind, NodeInner, NodeKind};
+use crate::dag::{ActorRef, ArgInner, DagInner, InputKind, NodeInner, NodeKind};
 use crate::error::{Error, Result};
-use plan::{ActorPlan, ArgSource, EdgePlan, GraphPlan, Loc, OpSpec, ShmEdge, Stage};
+use plan::{
+    ActorPlan, ArgSource, ChannelKind, ChannelPlan, EdgePlan, GraphPlan, Loc, OpSpec, Place, Stage,
+};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 
@@ -10,7 +11,6 @@ pub(crate) mod comms;
 mod options;
 pub(crate) mod plan;
 pub(crate) mod schedule;
-pub use comms::CommunicatorInfo;
 pub(crate) use options::deadline_after;
 pub use options::{CompileOptions, DefaultCommunicator};
 
@@ -19,8 +19,8 @@ pub(crate) struct Planned {
     pub plan: GraphPlan,
     /// Every reached node by id.
     pub nodes: BTreeMap<u64, Arc<NodeInner>>,
-    /// The distinct actors, in first-use order.
-    pub actors: Vec<HandleCore>,
+    /// The distinct actors, in the order of their first task.
+    pub actors: Vec<ActorRef>,
     /// The communicator groups and who uses them.
     pub comm: comms::CommPlan,
 }
@@ -30,8 +30,8 @@ pub(crate) fn loc_of(node: &NodeInner) -> Loc {
     node.actor().map_or(Loc::Driver, |a| Loc::Actor(a.id()))
 }
 
-/// Validate the graph reached from `outputs` and plan it. Claims every actor for the graph;
-/// the caller releases them if anything later fails.
+/// Validate the graph reached from `outputs` and plan it. Plain data in, plain data out:
+/// nothing is spawned, claimed or opened.
 pub(crate) fn plan(
     dag: &Arc<DagInner>,
     outputs: &[Arc<NodeInner>],
@@ -110,20 +110,21 @@ pub(crate) fn plan(
             }
         }
     }
-    let actors = claim_actors(&nodes, graph)?;
-    let result = build_plan(&nodes, outputs, opts, graph);
-    match result {
-        Ok((plan, comm)) => Ok(Planned {
-            plan,
-            nodes,
-            actors,
-            comm,
-        }),
-        Err(e) => {
-            release_actors(&actors, graph);
-            Err(e)
+    let mut actors: Vec<ActorRef> = Vec::new();
+    for n in nodes.values() {
+        if let NodeKind::Method { actor, .. } = &n.kind
+            && !actors.iter().any(|a| a.same(actor))
+        {
+            actors.push(actor.clone());
         }
     }
+    let (plan, comm) = build_plan(&nodes, outputs, opts, graph)?;
+    Ok(Planned {
+        plan,
+        nodes,
+        actors,
+        comm,
+    })
 }
 
 /// A collective runs only if every actor takes part: each of its outputs must be part of the
@@ -164,13 +165,13 @@ fn check_node(dag: &Arc<DagInner>, n: &Arc<NodeInner>) -> Result<()> {
                 "this task does not depend on the graph's input; bind at least one argument to the input or to a node that reads it",
             ));
         }
-        let Some(sig) = (actor.0.signature)(method) else {
+        let Some(sig) = actor.signature(method) else {
             return Err(Error::compile(
                 n.describe(),
                 format!(
                     "actor {} has no method `{method}`; its methods are: {}",
                     actor.name(),
-                    (actor.0.method_names)().join(", ")
+                    actor.method_names().join(", ")
                 ),
             ));
         };
@@ -248,45 +249,12 @@ fn check_node(dag: &Arc<DagInner>, n: &Arc<NodeInner>) -> Result<()> {
     }
 }
 
-fn claim_actors(nodes: &BTreeMap<u64, Arc<NodeInner>>, graph: u64) -> Result<Vec<HandleCore>> {
-    let mut actors: Vec<HandleCore> = Vec::new();
-    for n in nodes.values() {
-        if let NodeKind::Method { actor, .. } = &n.kind
-            && !actors.iter().any(|a| a.same(actor))
-        {
-            let mut live = actor.0.live_graph.lock();
-            if let Some(other) = *live {
-                drop(live);
-                release_actors(&actors, graph);
-                return Err(Error::compile(
-                    n.describe(),
-                    format!(
-                        "actor {} is already part of live compiled graph #{other}; tear that graph down first (an actor serves one compiled graph at a time)",
-                        actor.name()
-                    ),
-                ));
-            }
-            *live = Some(graph);
-            actors.push(actor.clone());
-        }
-    }
-    Ok(actors)
-}
-
-pub(crate) fn release_actors(actors: &[HandleCore], graph: u64) {
-    for a in actors {
-        let mut live = a.0.live_graph.lock();
-        if *live == Some(graph) {
-            *live = None;
-        }
-    }
-}
-
-fn process_of(loc: Loc, actors: &BTreeMap<u64, HandleCore>) -> u64 {
-    match loc {
+fn place_of(loc: Loc, actors: &BTreeMap<u64, ActorRef>) -> Place {
+    let process = match loc {
         Loc::Driver => 0,
         Loc::Actor(id) => actors.get(&id).map_or(0, |a| a.process()),
-    }
+    };
+    Place { process }
 }
 
 fn build_plan(
@@ -296,7 +264,7 @@ fn build_plan(
     graph: u64,
 ) -> Result<(GraphPlan, comms::CommPlan)> {
     let depth = opts.max_inflight_executions;
-    let actors: BTreeMap<u64, HandleCore> = nodes
+    let actors: BTreeMap<u64, ActorRef> = nodes
         .values()
         .filter_map(|n| n.actor().map(|a| (a.id(), a.clone())))
         .collect();
@@ -315,17 +283,22 @@ fn build_plan(
     let mut edges = BTreeMap::new();
     for (id, n) in nodes {
         let writer = loc_of(n);
-        let wproc = process_of(writer, &actors);
-        let mut local_readers = Vec::new();
-        let mut remote = Vec::new();
+        let wplace = place_of(writer, &actors);
+        let mut channels: Vec<ChannelPlan> = Vec::new();
         let mut same_actor = false;
         for r in &readers[id] {
             if *r == writer {
                 same_actor = true;
-            } else if process_of(*r, &actors) == wproc {
-                local_readers.push(*r);
-            } else {
-                remote.push(*r);
+                continue;
+            }
+            let kind = ChannelKind::between(wplace, place_of(*r, &actors));
+            match channels.iter_mut().find(|c| c.kind == kind) {
+                Some(c) => c.readers.push(*r),
+                None => channels.push(ChannelPlan {
+                    id: *id,
+                    kind,
+                    readers: vec![*r],
+                }),
             }
         }
         edges.insert(
@@ -335,12 +308,8 @@ fn build_plan(
                 label: n.describe(),
                 ty: n.ty.name().to_string(),
                 writer,
-                local_readers,
-                shm: (!remote.is_empty()).then_some(ShmEdge {
-                    chan: *id,
-                    readers: remote,
-                }),
                 same_actor,
+                channels,
             },
         );
     }

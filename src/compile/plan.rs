@@ -1,6 +1,7 @@
 //! The plan of a compiled graph: one channel per edge, chosen by where writer and readers
 //! live, and one schedule of operations per actor. Plans are plain data so that they can be
 //! sent to worker processes.
+use crate::dag::collective::CollectiveKind;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -19,23 +20,73 @@ pub(crate) struct EdgePlan {
     pub label: String,
     pub ty: String,
     pub writer: Loc,
-    /// Other endpoints in the writer's process: one in-memory ring each, no serialization.
-    pub local_readers: Vec<Loc>,
-    /// Endpoints in other processes: one shared-memory ring for all of them.
-    pub shm: Option<ShmEdge>,
-    /// The writing actor itself reads the value (a slot, no channel).
+    /// The writing actor itself reads the value: it stays in the actor's slot (the in-actor
+    /// kind), with no channel.
     pub same_actor: bool,
+    /// The channels to the other readers, at most one per kind.
+    pub channels: Vec<ChannelPlan>,
 }
 
+/// How a channel moves values, chosen by where its ends live ([`ChannelKind::between`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub(crate) enum ChannelKind {
+    /// Readers on other threads of the writer's process: in memory, no serialization.
+    InProcess,
+    /// Readers in other processes of the writer's host: one shared-memory ring for all.
+    SharedMemory,
+}
+
+impl ChannelKind {
+    /// The kind of channel from a writer to a reader on another actor (or the driver), by
+    /// where each lives: the only place that chooses a kind.
+    pub(crate) fn between(writer: Place, reader: Place) -> ChannelKind {
+        if writer.process == reader.process {
+            ChannelKind::InProcess
+        } else {
+            ChannelKind::SharedMemory
+        }
+    }
+}
+
+/// Where an endpoint runs: which process (0 = the driver's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub(crate) struct Place {
+    pub process: u64,
+}
+
+/// One channel of an edge: its kind and its readers, in reader order.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct ShmEdge {
-    pub chan: u64,
+pub(crate) struct ChannelPlan {
+    /// The channel's identity among the channels of its kind in one graph.
+    pub id: u64,
+    pub kind: ChannelKind,
     pub readers: Vec<Loc>,
 }
 
 impl EdgePlan {
+    /// Whether the value leaves its writer at all.
     pub(crate) fn has_channel(&self) -> bool {
-        !self.local_readers.is_empty() || self.shm.is_some()
+        !self.channels.is_empty()
+    }
+
+    /// Every reader outside the writing actor.
+    pub(crate) fn channel_readers(&self) -> impl Iterator<Item = &Loc> {
+        self.channels.iter().flat_map(|c| c.readers.iter())
+    }
+
+    /// The channel of `kind`, if the edge has one.
+    pub(crate) fn channel(&self, kind: ChannelKind) -> Option<&ChannelPlan> {
+        self.channels.iter().find(|c| c.kind == kind)
+    }
+
+    /// The channel that `reader` reads, and its index among that channel's readers.
+    pub(crate) fn read_by(&self, reader: Loc) -> Option<(&ChannelPlan, usize)> {
+        self.channels.iter().find_map(|c| {
+            c.readers
+                .iter()
+                .position(|r| *r == reader)
+                .map(|index| (c, index))
+        })
     }
 }
 
@@ -89,7 +140,7 @@ pub(crate) enum OpSpec {
         node: u64,
         input: u64,
         coll: u64,
-        kind: crate::dag::collective::CollectiveKind,
+        kind: CollectiveKind,
         group: u32,
         order: Vec<usize>,
         index: usize,

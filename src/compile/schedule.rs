@@ -231,9 +231,7 @@ fn describe_rdv(
             let e = plan.edges.get(edge);
             let readers: Vec<u64> = e
                 .map(|e| {
-                    e.local_readers
-                        .iter()
-                        .chain(e.shm.iter().flat_map(|s| s.readers.iter()))
+                    e.channel_readers()
                         .filter_map(|l| match l {
                             Loc::Actor(a) => Some(*a),
                             Loc::Driver => None,
@@ -624,7 +622,7 @@ pub(crate) fn check_deadlock(plan: &GraphPlan) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::compile::plan::{ActorPlan, EdgePlan};
+    use crate::compile::plan::{ActorPlan, ChannelKind, ChannelPlan, EdgePlan};
 
     fn edge(id: u64, writer: u64, readers: &[u64]) -> (u64, EdgePlan) {
         (
@@ -634,9 +632,12 @@ mod tests {
                 label: format!("e{id}"),
                 ty: "Tensor".into(),
                 writer: Loc::Actor(writer),
-                local_readers: readers.iter().map(|r| Loc::Actor(*r)).collect(),
-                shm: None,
                 same_actor: false,
+                channels: vec![ChannelPlan {
+                    id,
+                    kind: ChannelKind::InProcess,
+                    readers: readers.iter().map(|r| Loc::Actor(*r)).collect(),
+                }],
             },
         )
     }

@@ -4,7 +4,6 @@
 //! Nodes are cheap handles (`Arc`) that point at their arguments, so a graph is the set of
 //! nodes reachable from its outputs. Every node gets a global creation number: bind order,
 //! which is a topological order, and which fixes the order in which one actor runs its tasks.
-use crate::actor::HandleCore;
 use crate::value::{TypeTag, Value, encode};
 use parking_lot::Mutex;
 use std::any::Any;
@@ -13,12 +12,15 @@ use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
+mod actor_ref;
 pub mod collective;
 pub(crate) mod input;
 mod output;
 pub(crate) mod transport;
+pub use actor_ref::ActorRef;
+pub(crate) use actor_ref::{ActorInfo, MethodSig};
 pub use input::{InputNode, TupleArg};
-pub use output::{IntoOutputs, MultiOutput};
+pub use output::MultiOutput;
 pub use transport::{CustomCommunicator, Transport};
 
 static NEXT_NODE_ID: AtomicU64 = AtomicU64::new(1);
@@ -78,7 +80,7 @@ impl<I: Value> Dag<I> {
                     Some(self.inner.clone()),
                     NodeKind::Input(InputKind::Whole),
                     TypeTag::of::<I>(),
-                    Some(input::whole_feed::<I>()),
+                    None,
                 )
             })
             .clone();
@@ -102,7 +104,7 @@ pub(crate) enum InputKind {
 pub(crate) enum NodeKind {
     Input(InputKind),
     Method {
-        actor: HandleCore,
+        actor: ActorRef,
         method: String,
         args: Vec<ErasedArg>,
     },
@@ -147,7 +149,8 @@ pub(crate) struct NodeInner {
     pub(crate) foreign: Option<u64>,
     pub(crate) kind: NodeKind,
     pub(crate) ty: TypeTag,
-    /// For input nodes: how the driver computes this part from the whole input.
+    /// For input parts: how the driver computes this part from the whole input (the driver's
+    /// own object, which the graph only carries).
     pub(crate) feed: Option<Box<dyn Any + Send + Sync>>,
     /// How a tensor value travels to readers on other actors (`with_tensor_transport`).
     pub(crate) transport: Mutex<Option<Transport>>,
@@ -203,7 +206,7 @@ impl NodeInner {
     }
 
     /// The actor whose schedule runs this node, if any.
-    pub(crate) fn actor(&self) -> Option<&HandleCore> {
+    pub(crate) fn actor(&self) -> Option<&ActorRef> {
         match &self.kind {
             NodeKind::Method { actor, .. } => Some(actor),
             NodeKind::Split { source, .. } => source.actor(),
@@ -381,9 +384,9 @@ impl<T> From<&InputNode<T>> for Arg<T> {
     }
 }
 
-/// Create a method-call node (used by [`HandleCore::bind`]).
+/// Create a method-call node (used by the actor handles' binding methods).
 pub(crate) fn method_node(
-    actor: HandleCore,
+    actor: ActorRef,
     method: &str,
     args: Vec<ErasedArg>,
     ty: TypeTag,

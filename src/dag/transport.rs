@@ -9,8 +9,7 @@
 //! writer's own actor always get the value through its slot.
 //!
 //! [`Communicator`]: crate::comm::Communicator
-use super::{Node, NodeInner};
-use crate::actor::{Actor, ActorHandle, HandleCore};
+use super::{ActorRef, Node, NodeInner};
 use crate::comm::{CommError, CommunicatorGroup};
 use crate::tensor::Tensor;
 use std::fmt;
@@ -76,7 +75,7 @@ impl fmt::Debug for Transport {
 #[derive(Clone)]
 pub struct CustomCommunicator {
     pub(crate) group: Arc<dyn CommunicatorGroup>,
-    pub(crate) actors: Vec<HandleCore>,
+    pub(crate) actors: Vec<ActorRef>,
 }
 
 impl CustomCommunicator {
@@ -101,11 +100,11 @@ impl CustomCommunicator {
     /// assert!(CustomCommunicator::new(Arc::new(CpuGroup::create(2, "x")?), [&a, &a]).is_err());
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn new<H: Into<HandleCore>>(
+    pub fn new<H: Into<ActorRef>>(
         group: Arc<dyn CommunicatorGroup>,
         actors: impl IntoIterator<Item = H>,
     ) -> Result<CustomCommunicator, CommError> {
-        let actors: Vec<HandleCore> = actors.into_iter().map(Into::into).collect();
+        let actors: Vec<ActorRef> = actors.into_iter().map(Into::into).collect();
         if actors.len() != group.world_size() {
             return Err(CommError::Config {
                 message: format!(
@@ -141,7 +140,7 @@ impl CustomCommunicator {
     }
 
     /// The rank of `actor`, if it is a member.
-    pub fn rank_of(&self, actor: &HandleCore) -> Option<usize> {
+    pub fn rank_of(&self, actor: &ActorRef) -> Option<usize> {
         self.actors.iter().position(|a| a.same(actor))
     }
 
@@ -161,18 +160,6 @@ impl fmt::Debug for CustomCommunicator {
             self.group.id(),
             names
         )
-    }
-}
-
-impl<A: Actor> From<&ActorHandle<A>> for HandleCore {
-    fn from(h: &ActorHandle<A>) -> HandleCore {
-        h.core().clone()
-    }
-}
-
-impl From<&HandleCore> for HandleCore {
-    fn from(h: &HandleCore) -> HandleCore {
-        h.clone()
     }
 }
 

@@ -1,14 +1,12 @@
 //! Execution: the compiled graph, `execute`, refs, the result buffer, capacity accounting,
 //! teardown and the death of an actor.
 use crate::actor::HandleCore;
+use crate::actor::channels::{ChannelSizes, GraphChannels};
 use crate::actor::host::{ActorLink, Control, RunRequest};
 use crate::actor::worker::DeathSink;
-use crate::channel::endpoint::{ChanError, EdgeReader, EdgeWriter, ProcChannels};
-use crate::channel::shm::{ShmChannel, ShmConfig};
+use crate::channel::{ChanError, FanOut, Reader};
 use crate::compile::plan::{GraphPlan, Loc};
-use crate::compile::{CompileOptions, Planned, deadline_after, release_actors};
-use crate::dag::input::{Feeder, InputFeed};
-use crate::dag::{AnyNode, IntoOutputs};
+use crate::compile::{CompileOptions, Planned, deadline_after};
 use crate::error::{Capacity, Error, Result};
 use crate::value::Value;
 use crossbeam_channel::Receiver;
@@ -21,69 +19,37 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+mod comms;
+mod input;
+mod output;
 mod pump;
 mod refs;
 pub(crate) mod viz;
+use comms::CommSetup;
+pub use comms::CommunicatorInfo;
+use input::Feeder;
+pub use output::IntoOutputs;
+use output::OutputReader;
+#[doc(hidden)]
+pub use output::OutputSpec;
 pub use refs::{CompiledRef, ExecToken, RefFuture, RefSet, get_all};
 
 /// The driver's endpoints in its own process.
 pub struct DriverIo {
-    pub(crate) chans: Arc<ProcChannels>,
+    pub(crate) chans: Arc<GraphChannels>,
 }
 
 impl DriverIo {
-    pub(crate) fn writer<T: Value>(&self, plan: &GraphPlan, edge: u64) -> Result<EdgeWriter<T>> {
+    pub(crate) fn writer<T: Value>(&self, plan: &GraphPlan, edge: u64) -> Result<FanOut<T>> {
         self.chans
             .writer::<T>(plan, edge, Loc::Driver)
             .map_err(|e| Error::compile(format!("edge {edge}"), e))
     }
 
-    pub(crate) fn reader<T: Value>(&self, plan: &GraphPlan, edge: u64) -> Result<EdgeReader<T>> {
+    pub(crate) fn reader<T: Value>(&self, plan: &GraphPlan, edge: u64) -> Result<Reader<T>> {
         self.chans
             .reader::<T>(plan, edge, Loc::Driver)
             .map_err(|e| Error::compile(format!("edge {edge}"), e))
-    }
-}
-
-/// Reads one output edge and hands one copy of each value to every output that names it.
-pub(crate) trait OutputReader: Send {
-    fn read(
-        &mut self,
-        copies: usize,
-        deadline: Option<Instant>,
-    ) -> Result<Vec<Box<dyn Any + Send>>, ChanError>;
-}
-
-struct TypedOutput<T>(EdgeReader<T>);
-
-impl<T: Value> OutputReader for TypedOutput<T> {
-    fn read(
-        &mut self,
-        copies: usize,
-        deadline: Option<Instant>,
-    ) -> Result<Vec<Box<dyn Any + Send>>, ChanError> {
-        let msg = self.0.read(deadline)?;
-        let mut out: Vec<Box<dyn Any + Send>> = (1..copies)
-            .map(|_| Box::new(msg.clone()) as Box<dyn Any + Send>)
-            .collect();
-        out.push(Box::new(msg));
-        Ok(out)
-    }
-}
-
-/// One output of a graph with the typed code that reads it (built by [`IntoOutputs`]).
-#[doc(hidden)]
-pub struct OutputSpec {
-    pub(crate) node: AnyNode,
-    make: fn(&DriverIo, &GraphPlan, u64) -> Result<Box<dyn OutputReader>>,
-}
-
-impl OutputSpec {
-    pub(crate) fn of<T: Value>(node: AnyNode) -> Self {
-        OutputSpec {
-            node,
-            make: |io, plan, edge| Ok(Box::new(TypedOutput::<T>(io.reader::<T>(plan, edge)?))),
-        }
     }
 }
 
@@ -138,7 +104,7 @@ pub(crate) trait RefOwner: Send + Sync {
 pub(crate) struct GraphShared<I> {
     pub(crate) id: u64,
     opts: CompileOptions,
-    chans: Arc<ProcChannels>,
+    chans: Arc<GraphChannels>,
     actors: Vec<HandleCore>,
     output_labels: Vec<String>,
     submit: Mutex<SubmitState<I>>,
@@ -156,7 +122,7 @@ pub(crate) struct GraphShared<I> {
     /// async pump.
     room: Condvar,
     /// The communicator groups of the graph, destroyed at teardown.
-    comms: crate::compile::comms::CommSetup,
+    comms: CommSetup,
 }
 
 /// A compiled graph: execute it many times, then tear it down (also on drop).
@@ -199,8 +165,8 @@ impl<I: Value> crate::dag::Dag<I> {
         let nodes: Vec<_> = specs.iter().map(|s| s.node.inner.clone()).collect();
         let graph = crate::dag::next_graph_id();
         let planned = crate::compile::plan(&self.inner, &nodes, &opts, graph)?;
-        let actors = planned.actors.clone();
-        match start(planned, specs, opts) {
+        let actors = claim_actors(&planned, graph)?;
+        match start(planned, actors.clone(), specs, opts) {
             Ok(shared) => Ok(CompiledGraph {
                 shared,
                 outputs,
@@ -214,41 +180,70 @@ impl<I: Value> crate::dag::Dag<I> {
     }
 }
 
+/// Claim every actor of the plan for graph `graph`: an actor serves one live graph at a time.
+fn claim_actors(planned: &Planned, graph: u64) -> Result<Vec<HandleCore>> {
+    let mut actors: Vec<HandleCore> = Vec::new();
+    for actor in &planned.actors {
+        let Some(handle) = HandleCore::of(actor) else {
+            release_actors(&actors, graph);
+            return Err(Error::compile(
+                actor.name(),
+                "this actor was not spawned by an adag Runtime; spawn it with Runtime::spawn",
+            ));
+        };
+        let mut live = handle.0.live_graph.lock();
+        if let Some(other) = *live {
+            drop(live);
+            release_actors(&actors, graph);
+            let node = planned
+                .nodes
+                .values()
+                .find(|n| n.actor().is_some_and(|a| a.same(actor)))
+                .map_or_else(|| actor.name().to_string(), |n| n.describe());
+            return Err(Error::compile(
+                node,
+                format!(
+                    "actor {} is already part of live compiled graph #{other}; tear that graph down first (an actor serves one compiled graph at a time)",
+                    actor.name()
+                ),
+            ));
+        }
+        *live = Some(graph);
+        drop(live);
+        actors.push(handle);
+    }
+    Ok(actors)
+}
+
+/// Free the actors claimed by graph `graph`.
+pub(crate) fn release_actors(actors: &[HandleCore], graph: u64) {
+    for a in actors {
+        let mut live = a.0.live_graph.lock();
+        if *live == Some(graph) {
+            *live = None;
+        }
+    }
+}
+
 fn start<I: Value>(
     planned: Planned,
+    actors: Vec<HandleCore>,
     specs: Vec<OutputSpec>,
     opts: CompileOptions,
 ) -> Result<Arc<GraphShared<I>>> {
     let Planned {
-        plan,
-        nodes,
-        actors,
-        comm,
+        plan, nodes, comm, ..
     } = planned;
     let plan = Arc::new(plan);
     // Communicator groups: made (or taken from the user) before any actor installs.
-    let comms = crate::compile::comms::CommSetup::start(comm, plan.graph)?;
-    let mut shm = HashMap::new();
-    for edge in plan.edges.values() {
-        if let Some(s) = &edge.shm {
-            let cfg = ShmConfig {
-                depth: plan.depth as u32,
-                readers: s.readers.len() as u32,
-                slot_bytes: opts.buffer_size_bytes,
-                max_message_bytes: opts.max_message_bytes,
-                spin: opts.spin,
-            };
-            let ch = ShmChannel::create(&cfg, &format!("adag-g{}-e{}", plan.graph, edge.id))
-                .map_err(|e| {
-                    Error::io(
-                        format!("creating the shared-memory channel of {}", edge.label),
-                        e,
-                    )
-                })?;
-            shm.insert(s.chan, ch);
-        }
-    }
-    let chans = Arc::new(ProcChannels::new(shm).with_spin(opts.spin));
+    let comms = CommSetup::start(comm, plan.graph)?;
+    let sizes = ChannelSizes {
+        slot_bytes: opts.buffer_size_bytes,
+        max_message_bytes: opts.max_message_bytes,
+        spin: opts.spin,
+    };
+    let chans =
+        Arc::new(GraphChannels::create(&plan, &sizes).inspect_err(|_| comms.destroy_all())?);
     let io = DriverIo {
         chans: chans.clone(),
     };
@@ -327,18 +322,7 @@ fn start<I: Value>(
     }
     let mut feeders = Vec::new();
     for edge in &plan.inputs {
-        let node = &nodes[edge];
-        let feed = node
-            .feed
-            .as_ref()
-            .and_then(|f| f.downcast_ref::<Arc<dyn InputFeed<I>>>())
-            .ok_or_else(|| {
-                fail(Error::compile(
-                    node.describe(),
-                    "input node of another input type",
-                ))
-            })?;
-        feeders.push(feed.feeder(&io, &plan, *edge).map_err(&fail)?);
+        feeders.push(input::feeder::<I>(&nodes[edge], &io, &plan, *edge).map_err(&fail)?);
     }
     let mut edges: Vec<OutputEdge> = Vec::new();
     let mut seen: HashMap<u64, usize> = HashMap::new();
@@ -868,7 +852,7 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
 
     /// The communicator groups of the graph (made by `DefaultCommunicator::Create` or the
     /// user's own), in the order the compiler chose them, with the nodes that use each.
-    pub fn communicators(&self) -> Vec<crate::compile::CommunicatorInfo> {
+    pub fn communicators(&self) -> Vec<CommunicatorInfo> {
         self.shared.comms.infos()
     }
 

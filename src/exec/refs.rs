@@ -1,6 +1,6 @@
 //! Refs to the results of executions.
 use super::RefOwner;
-use crate::channel::endpoint::Msg;
+use crate::channel::Msg;
 use crate::error::{Error, Result};
 use crate::value::Value;
 use std::marker::PhantomData;

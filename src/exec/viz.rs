@@ -1,6 +1,6 @@
 //! `visualize()`: the graph, its channels and every actor's schedule as Graphviz DOT.
 use crate::compile::loc_of;
-use crate::compile::plan::{GraphPlan, Loc, OpSpec};
+use crate::compile::plan::{ChannelKind, EdgePlan, GraphPlan, Loc, OpSpec};
 use crate::dag::NodeInner;
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -8,6 +8,17 @@ use std::sync::Arc;
 
 fn esc(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+/// How `reader` gets the value of edge `e`, as the picture labels it.
+fn kind_text(e: &EdgePlan, reader: Loc) -> &'static str {
+    if e.writer == reader {
+        return "slot";
+    }
+    match e.read_by(reader).map(|(c, _)| c.kind) {
+        Some(ChannelKind::InProcess) => "in-memory",
+        Some(ChannelKind::SharedMemory) | None => "shared memory",
+    }
 }
 
 fn stage_text(stage: crate::compile::plan::Stage) -> &'static str {
@@ -40,24 +51,12 @@ pub(crate) fn dot(plan: &GraphPlan, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> St
     for n in nodes.values() {
         let me = loc_of(n);
         for up in n.upstream() {
-            let e = &plan.edges[&up.id];
-            let kind = if e.writer == me {
-                "slot"
-            } else if e.local_readers.contains(&me) {
-                "in-memory"
-            } else {
-                "shared memory"
-            };
+            let kind = kind_text(&plan.edges[&up.id], me);
             let _ = writeln!(out, "  n{} -> n{} [label=\"{kind}\"];", up.id, n.id);
         }
     }
     for (i, o) in plan.outputs.iter().enumerate() {
-        let e = &plan.edges[o];
-        let kind = if e.local_readers.contains(&Loc::Driver) {
-            "in-memory"
-        } else {
-            "shared memory"
-        };
+        let kind = kind_text(&plan.edges[o], Loc::Driver);
         let _ = writeln!(out, "  n{o} -> driver_out [label=\"output {i} ({kind})\"];");
     }
     for a in &plan.actors {

@@ -1,10 +1,12 @@
-//! The frame of a value on a shared-memory edge, with large byte strings *out of band*.
+//! The frame of an encoded value, with large byte strings *out of band*: how a value is laid
+//! out in a channel slot (shared memory, and later the network) so that its large payloads
+//! can be read in place.
 //!
 //! A value is encoded with postcard, except the byte strings of [`Buffer`](crate::Buffer)s and
 //! [`Tensor`](crate::Tensor)s of at least [`OUT_OF_BAND_MIN`] bytes: those are copied once,
 //! 64-byte aligned, after the encoding, and the encoding refers to them by index. A reader then
-//! hands them to the decoded value in place, as [`Bytes`] over the pinned shared memory (zero
-//! copy), without stalling the writer (see [`shm`](super::shm)'s pins).
+//! hands them to the decoded value in place, as [`Bytes`] over memory the channel keeps alive
+//! for them (zero copy: a pinned shared-memory block, see the shared-memory channel's pins).
 //!
 //! ```text
 //! 0        body length n (u64, little endian)
@@ -17,7 +19,6 @@
 //! Encoders and decoders find the attachments through a thread-local scope that the frame
 //! functions open around postcard, so serde impls need no extra arguments and a value encoded
 //! anywhere else (a one-off call, a user's own serializer) simply carries its bytes inline.
-use super::shm::ShmFrame;
 use bytes::Bytes;
 use serde::de::{self, DeserializeOwned, Deserializer, Visitor};
 use serde::ser::Serializer;
@@ -364,21 +365,23 @@ fn parts(data: &[u8]) -> Result<Parts<'_>, String> {
     })
 }
 
-/// Decodes a frame read from shared memory. Large attachments are handed to the value in
-/// place, pinning the frame's block for as long as the value keeps them.
-pub(crate) fn decode<T: DeserializeOwned>(frame: &ShmFrame<'_>) -> Result<T, String> {
-    let data = frame.data();
+/// Decodes a frame read in place from a channel's memory: `data` is the frame, `capacity` the
+/// bytes of the block it lies in (what keeping it in place holds), and `keep` returns the whole
+/// of `data` as [`Bytes`] that stay valid after the channel's slot is released (a pin). Large
+/// attachments are handed to the value in place, keeping `keep`'s bytes for as long as the
+/// value keeps them; `keep` is called only when one is.
+pub(crate) fn decode<T: DeserializeOwned>(
+    data: &[u8],
+    capacity: usize,
+    keep: impl FnOnce() -> Bytes,
+) -> Result<T, String> {
     let Parts { body, table } = parts(data)?;
     if table.is_empty() {
         // The common case: no attachment, so no scope to open.
         return postcard::from_bytes(body).map_err(|e| e.to_string());
     }
-    let capacity = frame.block_capacity();
     let in_place = |len: usize| len >= OUT_OF_BAND_MIN && len * IN_PLACE_MIN_FILL >= capacity;
-    let pinned = table
-        .iter()
-        .any(|(_, len)| in_place(*len))
-        .then(|| Bytes::from_owner(frame.pin()));
+    let pinned = table.iter().any(|(_, len)| in_place(*len)).then(keep);
     let attachments = table
         .iter()
         .map(|&(offset, len)| match &pinned {

@@ -51,7 +51,7 @@ use rustix::fs::{MemfdFlags, SealFlags};
 
 pub(crate) use super::ring::RingError;
 use super::ring::{Cursor, RingControl, RingMemory, RingReader, RingWriter};
-use super::wait::DEFAULT_SPIN;
+use crate::channel::wait::DEFAULT_SPIN;
 use crate::sync::{Arc, AtomicU32, AtomicU64, Ordering};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"adag-shm");

@@ -2,6 +2,8 @@
 use serde::{Serialize, de::DeserializeOwned};
 use std::any::TypeId;
 
+pub(crate) mod frame;
+
 /// A value that can travel along an edge of a compiled graph.
 ///
 /// Within one process values move without serialization; between processes they are encoded

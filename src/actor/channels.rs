@@ -1,0 +1,183 @@
+//! The channels of one compiled graph in one process, opened from the plan: each end of an
+//! edge gets the kind the plan chose for it (where its writer and readers live). This is the
+//! one place that maps a [`ChannelKind`] to its module; the actor loop and the driver then see
+//! only [`ChannelWriter`](crate::channel::ChannelWriter) and
+//! [`ChannelReader`](crate::channel::ChannelReader).
+use crate::channel::local::LocalHub;
+use crate::channel::shm::{ShmChannel, ShmConfig, ShmRx, ShmTx};
+use crate::channel::{FanOut, Reader, Writer};
+use crate::compile::plan::{ChannelKind, GraphPlan, Loc};
+use crate::error::{Error, Result};
+use crate::value::Value;
+use std::collections::HashMap;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::time::Duration;
+
+/// How the driver sizes the channels of a graph (from the compile options).
+pub(crate) struct ChannelSizes {
+    /// Initial bytes of each slot.
+    pub slot_bytes: usize,
+    /// Ceiling of one message.
+    pub max_message_bytes: usize,
+    /// How long a waiting end spins before it sleeps.
+    pub spin: Duration,
+}
+
+/// Where an edge's endpoints are found in this process.
+pub(crate) struct GraphChannels {
+    local: LocalHub,
+    /// The shared-memory channels mapped here, by channel id.
+    shm: HashMap<u64, ShmChannel>,
+}
+
+impl GraphChannels {
+    /// The channels of a graph in a process that maps the shared-memory channels `shm`; the
+    /// in-process channels' waits spin up to `spin` before they sleep.
+    fn new(shm: HashMap<u64, ShmChannel>, spin: Duration) -> Self {
+        GraphChannels {
+            local: LocalHub::new(spin),
+            shm,
+        }
+    }
+
+    /// The driver's channels of `plan`: makes every channel that crosses a process.
+    pub(crate) fn create(plan: &GraphPlan, sizes: &ChannelSizes) -> Result<Self> {
+        let mut shm = HashMap::new();
+        for edge in plan.edges.values() {
+            if let Some(s) = edge.channel(ChannelKind::SharedMemory) {
+                let cfg = ShmConfig {
+                    depth: plan.depth as u32,
+                    readers: s.readers.len() as u32,
+                    slot_bytes: sizes.slot_bytes,
+                    max_message_bytes: sizes.max_message_bytes,
+                    spin: sizes.spin,
+                };
+                let ch = ShmChannel::create(&cfg, &format!("adag-g{}-e{}", plan.graph, edge.id))
+                    .map_err(|e| {
+                        Error::io(
+                            format!("creating the shared-memory channel of {}", edge.label),
+                            e,
+                        )
+                    })?;
+                shm.insert(s.id, ch);
+            }
+        }
+        Ok(Self::new(shm, sizes.spin))
+    }
+
+    /// The channels that endpoint `me` (in another process) writes or reads: their ids and
+    /// descriptors, to send along with its schedule.
+    pub(crate) fn handed_to(
+        &self,
+        plan: &GraphPlan,
+        me: Loc,
+    ) -> Result<(Vec<u64>, Vec<BorrowedFd<'_>>)> {
+        let mut ids = Vec::new();
+        let mut fds = Vec::new();
+        for e in plan.edges.values() {
+            if let Some(s) = e.channel(ChannelKind::SharedMemory)
+                && (e.writer == me || s.readers.contains(&me))
+            {
+                let fd = self.shm.get(&s.id).map(ShmChannel::fd).ok_or_else(|| {
+                    Error::compile(
+                        e.label.clone(),
+                        "its shared-memory channel is not mapped in the driver (a bug)",
+                    )
+                })?;
+                ids.push(s.id);
+                fds.push(fd);
+            }
+        }
+        Ok((ids, fds))
+    }
+
+    /// A worker's channels: the ones named `ids`, whose descriptors `fds` came in that order.
+    pub(crate) fn open(
+        ids: &[u64],
+        fds: Vec<OwnedFd>,
+        spin: Duration,
+    ) -> std::result::Result<Self, String> {
+        if fds.len() != ids.len() {
+            return Err(format!(
+                "expected {} channel fds, got {}",
+                ids.len(),
+                fds.len()
+            ));
+        }
+        let mut shm = HashMap::new();
+        for (id, fd) in ids.iter().zip(fds) {
+            let ch = ShmChannel::open(fd).map_err(|e| format!("cannot map channel {id}: {e}"))?;
+            shm.insert(*id, ch);
+        }
+        Ok(Self::new(shm, spin))
+    }
+
+    fn shm(&self, edge: u64, chan: u64) -> std::result::Result<&ShmChannel, String> {
+        self.shm
+            .get(&chan)
+            .ok_or_else(|| format!("edge {edge}: shared-memory channel {chan} is not mapped here"))
+    }
+
+    /// The writing end of `edge` for the endpoint `me`: one end per channel of the edge.
+    pub(crate) fn writer<T: Value>(
+        &self,
+        plan: &GraphPlan,
+        edge: u64,
+        me: Loc,
+    ) -> std::result::Result<FanOut<T>, String> {
+        let e = plan.edge(edge)?;
+        if e.writer != me {
+            return Err(format!("{me:?} does not write edge {}", e.label));
+        }
+        let mut ends: Vec<Writer<T>> = Vec::new();
+        for chan in &e.channels {
+            match chan.kind {
+                ChannelKind::InProcess => {
+                    for end in self
+                        .local
+                        .writers::<T>(chan.id, chan.readers.len(), plan.depth)
+                        .map_err(|err| format!("edge {}: {err}", e.label))?
+                    {
+                        ends.push(Box::new(end));
+                    }
+                }
+                ChannelKind::SharedMemory => {
+                    ends.push(Box::new(ShmTx::<T>::new(self.shm(edge, chan.id)?.writer())));
+                }
+            }
+        }
+        Ok(FanOut::new(ends))
+    }
+
+    /// The reading end of `edge` for the endpoint `me`.
+    pub(crate) fn reader<T: Value>(
+        &self,
+        plan: &GraphPlan,
+        edge: u64,
+        me: Loc,
+    ) -> std::result::Result<Reader<T>, String> {
+        let e = plan.edge(edge)?;
+        let Some((chan, index)) = e.read_by(me) else {
+            return Err(format!("{me:?} does not read edge {}", e.label));
+        };
+        Ok(match chan.kind {
+            ChannelKind::InProcess => Box::new(
+                self.local
+                    .reader::<T>(chan.id, index, chan.readers.len(), plan.depth)
+                    .map_err(|err| format!("edge {}: {err}", e.label))?,
+            ),
+            ChannelKind::SharedMemory => Box::new(ShmRx::<T>::new(
+                self.shm(edge, chan.id)?.reader(index as u32),
+            )),
+        })
+    }
+
+    /// Close every channel of the graph in this process (teardown, death of a peer): wakes
+    /// every end that waits.
+    pub(crate) fn close_all(&self) {
+        for ch in self.shm.values() {
+            ch.close();
+        }
+        self.local.close();
+    }
+}

@@ -1,0 +1,133 @@
+//! The shared-memory kind: readers in other processes of the writer's host share one ring in
+//! a memfd ([`memory`]), whose protocol is [`ring`]. The writer encodes each message once,
+//! straight into a slot (a [frame](crate::value::frame), large byte strings out of band); a
+//! reader decodes it in place and keeps large payloads there (pinned) without copying them.
+use super::{ChanError, ChannelReader, ChannelWriter, Msg};
+use crate::error::TaskError;
+use crate::value::frame;
+use bytes::Bytes;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Instant;
+
+pub(crate) mod memory;
+pub(crate) mod ring;
+
+pub(crate) use memory::{RingError, ShmChannel, ShmConfig, ShmReader, ShmWriter};
+
+impl From<RingError> for ChanError {
+    fn from(e: RingError) -> Self {
+        match e {
+            RingError::Closed => ChanError::Closed,
+            RingError::Timeout => ChanError::Timeout,
+            RingError::TooLarge { size, limit } => ChanError::TooLarge { size, limit },
+            other => ChanError::Codec(other.to_string()),
+        }
+    }
+}
+
+/// The tag of a slot that holds a value.
+pub(crate) const TAG_VALUE: u8 = 0;
+/// The tag of a slot that holds a [`TaskError`].
+pub(crate) const TAG_ERROR: u8 = 1;
+
+/// Encode `value` as a frame straight into a slot of `shm` (large byte strings out of band),
+/// growing the channel when the slot is too small, and telling that apart from a value that
+/// cannot be encoded at all.
+pub(crate) fn write_encoded<T: Serialize + ?Sized>(
+    shm: &mut ShmWriter,
+    tag: u8,
+    value: &T,
+    deadline: Option<Instant>,
+) -> Result<(), ChanError> {
+    let mut failure: Option<String> = None;
+    let written = shm.write(
+        tag,
+        &mut |buf: &mut [u8]| match frame::encode(value, buf) {
+            Ok(len) => Ok(len),
+            Err(frame::EncodeError::TooSmall(needed)) => Err(needed),
+            Err(frame::EncodeError::Failed(e)) => {
+                failure = Some(e.to_string());
+                // Over any ceiling: the writer gives up at once, without growing.
+                Err(usize::MAX)
+            }
+        },
+        deadline,
+    );
+    if let Some(e) = failure {
+        return Err(ChanError::Codec(format!(
+            "cannot encode a value of type {}: {e}",
+            std::any::type_name::<T>()
+        )));
+    }
+    Ok(written?)
+}
+
+/// The writer's end of a shared-memory channel, for values of type `T`.
+pub(crate) struct ShmTx<T> {
+    shm: ShmWriter,
+    _t: PhantomData<fn(T)>,
+}
+
+impl<T> ShmTx<T> {
+    pub(crate) fn new(shm: ShmWriter) -> Self {
+        ShmTx {
+            shm,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<T: Serialize> ChannelWriter<T> for ShmTx<T> {
+    fn write(&mut self, msg: Msg<T>, deadline: Option<Instant>) -> Result<(), ChanError> {
+        // Encoded straight into the slot: no allocation per message.
+        match &msg {
+            Msg::Value(v) => write_encoded(&mut self.shm, TAG_VALUE, v, deadline),
+            Msg::Error(e) => write_encoded(&mut self.shm, TAG_ERROR, &**e, deadline),
+        }
+    }
+
+    fn write_ref(&mut self, value: &T, deadline: Option<Instant>) -> Result<(), ChanError> {
+        write_encoded(&mut self.shm, TAG_VALUE, value, deadline)
+    }
+
+    fn moves_values(&self) -> bool {
+        false
+    }
+}
+
+/// One reader's end of a shared-memory channel, for values of type `T`.
+pub(crate) struct ShmRx<T> {
+    shm: ShmReader,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T> ShmRx<T> {
+    pub(crate) fn new(shm: ShmReader) -> Self {
+        ShmRx {
+            shm,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<T: DeserializeOwned> ChannelReader<T> for ShmRx<T> {
+    fn read(&mut self, deadline: Option<Instant>) -> Result<Msg<T>, ChanError> {
+        let slot = self.shm.read(deadline)?;
+        let (data, capacity) = (slot.data(), slot.block_capacity());
+        let keep = || Bytes::from_owner(slot.pin());
+        let decoded = match slot.tag {
+            TAG_VALUE => frame::decode::<T>(data, capacity, keep).map(Msg::Value),
+            _ => frame::decode::<TaskError>(data, capacity, keep).map(|e| Msg::Error(Arc::new(e))),
+        };
+        decoded.map_err(|e| {
+            ChanError::Codec(format!(
+                "cannot decode a {} from {} bytes: {e}; the writer and reader disagree on the type (a stale worker binary?)",
+                std::any::type_name::<T>(),
+                data.len()
+            ))
+        })
+    }
+}
