@@ -18,7 +18,9 @@
 use crate::DefaultCommunicator;
 use crate::actor::HandleCore;
 use crate::actor::wire::CommTicket;
-use crate::comm::{self, CommId, Communicator, CommunicatorFactory, CommunicatorGroup};
+use crate::comm::{
+    self, CommId, Communicator, CommunicatorFactory, CommunicatorGroup, SendCompletion,
+};
 use crate::compile::plan::Loc;
 use crate::dag::collective::CollectiveGroup;
 use crate::dag::{CustomCommunicator, NodeInner, NodeKind, Transport};
@@ -85,6 +87,9 @@ pub(crate) struct GroupPlan {
     pub source: GroupSource,
     /// The nodes that use it.
     pub users: Vec<String>,
+    /// Whether its sends complete without the receiver (from the custom group, or the
+    /// factory that will make it): the scheduler places receives by it.
+    pub sends: SendCompletion,
 }
 
 impl GroupPlan {
@@ -180,11 +185,19 @@ impl Builder<'_> {
 
     fn push(&mut self, actors: Vec<HandleCore>, source: GroupSource, user: &str) -> u32 {
         let index = self.plan.groups.len() as u32;
+        let sends = match &source {
+            GroupSource::Custom(c) => c.group.send_completion(),
+            // No factory yet is an error at start; rendezvous is the safe assumption.
+            GroupSource::Create { transport } => {
+                comm::factory(transport).map_or(SendCompletion::Rendezvous, |f| f.send_completion())
+            }
+        };
         self.plan.groups.push(GroupPlan {
             index,
             actors,
             source,
             users: vec![user.to_string()],
+            sends,
         });
         index
     }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 pub(crate) mod comms;
 mod options;
+mod order;
 pub(crate) mod plan;
 pub(crate) mod schedule;
 pub use comms::CommunicatorInfo;
@@ -444,6 +445,7 @@ fn build_plan(
             .collect(),
         inputs,
         outputs: outputs.iter().map(|o| o.id).collect(),
+        comm_groups: comm.groups.iter().map(|g| g.sends).collect(),
     };
     schedule::finish(&mut plan, opts.overlap_gpu_communication)?;
     Ok((plan, comm))
