@@ -1602,3 +1602,213 @@ fn one_f_one_b_on_the_cpu_communicator() {
         run_1f1b(Placement::Process, Comm::Cpu, 2, 4, true);
     });
 }
+
+// ---------------------------------------------------------------------------------------
+// Random graphs of communicator operations against a reference interpreter
+// ---------------------------------------------------------------------------------------
+
+/// xorshift64*: reproducible graphs (the seed is printed; ADAG_COMM_SEED replays one).
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) % n
+    }
+}
+
+/// One tensor of a random graph: its node, its actor, and how to compute it.
+struct RandTensor {
+    node: adag::Node<Tensor>,
+    actor: usize,
+    eval: Box<dyn Fn(u64) -> Vec<f32>>,
+    used: bool,
+}
+
+/// Builds a random graph over `s`: tensors made from the input, doubled on another actor
+/// (a communicator edge, often crossing another one the other way), allreduces over every
+/// actor, and one `total` output for each tensor that nothing else reads. Returns the
+/// outputs and, for each, its reference value as a function of the input.
+#[allow(clippy::type_complexity)]
+fn random_graph(
+    rng: &mut Rng,
+    dag: &Dag<u64>,
+    s: &[ActorHandle<Shard>],
+) -> (Vec<adag::Node<f64>>, Vec<Box<dyn Fn(u64) -> f64>>) {
+    let x = dag.input();
+    let n = s.len();
+    let comm = Transport::communicator;
+    let mut ts: Vec<RandTensor> = Vec::new();
+    let steps = 3 + rng.below(8);
+    for _ in 0..steps {
+        match rng.below(4) {
+            0 => {
+                let a = rng.below(n as u64) as usize;
+                let r = a as u32;
+                ts.push(RandTensor {
+                    node: s[a].make(&x).with_tensor_transport(comm()),
+                    actor: a,
+                    eval: Box::new(move |x| f32s(&made(r, x))),
+                    used: false,
+                });
+            }
+            1 | 2 if !ts.is_empty() => {
+                // Double a tensor on another actor; sometimes its own actor doubles one of
+                // the new actor's tensors too (crossed edges).
+                let pick = rng.below(ts.len() as u64) as usize;
+                let from = ts[pick].actor;
+                let to = (from + 1 + rng.below(n as u64 - 1) as usize) % n;
+                let cross = ts.iter().rposition(|t| t.actor == to);
+                for (src, dst) in [(Some(pick), to), (cross, from)] {
+                    let Some(src) = src else { continue };
+                    if src == pick && dst == from {
+                        continue;
+                    }
+                    ts[src].used = true;
+                    let node = s[dst].double(&ts[src].node).with_tensor_transport(comm());
+                    let f = std::rc::Rc::new(std::mem::replace(
+                        &mut ts[src].eval,
+                        Box::new(|_| Vec::new()),
+                    ));
+                    let g = f.clone();
+                    ts[src].eval = Box::new(move |x| f(x));
+                    ts.push(RandTensor {
+                        node,
+                        actor: dst,
+                        eval: Box::new(move |x| g(x).iter().map(|v| v * 2.0).collect()),
+                        used: false,
+                    });
+                    if rng.below(2) == 0 {
+                        break;
+                    }
+                }
+            }
+            _ => {
+                // An allreduce over every actor, of each actor's latest tensor.
+                let mut inputs = Vec::new();
+                for a in 0..n {
+                    let i = match ts.iter().rposition(|t| t.actor == a) {
+                        Some(i) => i,
+                        None => {
+                            let r = a as u32;
+                            ts.push(RandTensor {
+                                node: s[a].make(&x).with_tensor_transport(comm()),
+                                actor: a,
+                                eval: Box::new(move |x| f32s(&made(r, x))),
+                                used: false,
+                            });
+                            ts.len() - 1
+                        }
+                    };
+                    ts[i].used = true;
+                    inputs.push(i);
+                }
+                let nodes: Vec<adag::Node<Tensor>> =
+                    inputs.iter().map(|&i| ts[i].node.clone()).collect();
+                let evals: Vec<std::rc::Rc<Box<dyn Fn(u64) -> Vec<f32>>>> = inputs
+                    .iter()
+                    .map(|&i| {
+                        let f = std::rc::Rc::new(std::mem::replace(
+                            &mut ts[i].eval,
+                            Box::new(|_| Vec::new()),
+                        ));
+                        let g = f.clone();
+                        ts[i].eval = Box::new(move |x| f(x));
+                        g
+                    })
+                    .collect();
+                let sum_of = std::rc::Rc::new(move |x: u64| {
+                    let parts: Vec<Vec<f32>> = evals.iter().map(|f| f(x)).collect();
+                    (0..parts[0].len())
+                        .map(|k| parts.iter().map(|p| p[k]).sum::<f32>())
+                        .collect::<Vec<f32>>()
+                });
+                for (a, out) in allreduce(&nodes, ReduceOp::Sum).into_iter().enumerate() {
+                    let f = sum_of.clone();
+                    ts.push(RandTensor {
+                        node: out.with_tensor_transport(comm()),
+                        actor: a,
+                        eval: Box::new(move |x| f(x)),
+                        used: false,
+                    });
+                }
+            }
+        }
+    }
+    let mut outs = Vec::new();
+    let mut want: Vec<Box<dyn Fn(u64) -> f64>> = Vec::new();
+    for t in ts.into_iter().filter(|t| !t.used) {
+        outs.push(s[t.actor].total(&t.node));
+        let f = t.eval;
+        want.push(Box::new(move |x| f(x).iter().map(|v| *v as f64).sum()));
+    }
+    (outs, want)
+}
+
+fn random_graphs(p: Placement, comm: Comm, n_graphs: u64) {
+    let seed: u64 = std::env::var("ADAG_COMM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        })
+        .max(1);
+    eprintln!("random communicator graphs {comm:?} {p:?}: seed {seed} (ADAG_COMM_SEED replays)");
+    let mut rng = Rng(seed);
+    let rt = Runtime::new().unwrap();
+    let s = shards(&rt, p, 3);
+    let mut refused = 0;
+    for i in 0..n_graphs {
+        let n = 2 + rng.below(2) as usize;
+        let s = &s[..n];
+        let dag = Dag::<u64>::new();
+        let (outs, want) = random_graph(&mut rng, &dag, s);
+        let overlap = rng.below(2) == 1;
+        let refs: Vec<&ActorHandle<Shard>> = s.iter().collect();
+        let what = format!("seed {seed}, graph {i} ({n} actors, overlap {overlap})");
+        let g = match dag.compile(MultiOutput(outs), options_for(comm, &refs, overlap)) {
+            Ok(g) => g,
+            Err(e) => {
+                // Refused only as a deadlock, naming the cycle.
+                let text = e.to_string();
+                assert!(
+                    matches!(e, Error::Compile { .. }) && text.contains("cycle"),
+                    "{what}: {text}"
+                );
+                refused += 1;
+                continue;
+            }
+        };
+        for x in 0..3 {
+            let got: Vec<f64> = g
+                .execute(x)
+                .unwrap()
+                .into_iter()
+                .map(|r| r.get().unwrap_or_else(|e| panic!("{what}: {e}")))
+                .collect();
+            let expect: Vec<f64> = want.iter().map(|f| f(x)).collect();
+            assert_eq!(got, expect, "{what}, input {x}\n{}", g.visualize());
+        }
+        g.teardown().unwrap();
+    }
+    // The derived order never deadlocks: every operation waits only on operations earlier in
+    // one global order of the graph (order.rs), so nothing should be refused at all.
+    assert_eq!(
+        refused, 0,
+        "seed {seed}: {refused} of {n_graphs} graphs refused"
+    );
+}
+
+#[test]
+fn random_communicator_graphs_match_the_reference() {
+    with_watchdog("random communicator graphs", 300, || {
+        random_graphs(Placement::Thread, Comm::Rendezvous, 40);
+        random_graphs(Placement::Thread, Comm::Cpu, 40);
+        random_graphs(Placement::Process, Comm::Cpu, 8);
+    });
+}

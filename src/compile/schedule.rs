@@ -8,8 +8,9 @@
 //! communication thread (a send, a receive, a collective), `Wait` joins it just before its
 //! value is first used. Receives are issued as early as possible: each one moves back past
 //! computes, reads, writes and waits, up to the previous communicator issue (so the relative
-//! order of communicator operations, which every peer relies on, never changes). A
-//! collective's wait moves forward to its result's first use. A send has no wait: the
+//! order of communicator operations, which every peer relies on, never changes); its wait
+//! stays at the first use of the tensor. A collective's wait moves forward to its result's
+//! first use. A send has no wait: the
 //! actor's loop goes on at once, and the next issue of the same edge (one execution later)
 //! joins it. Compute of one task thus runs while the communication thread moves the tensors
 //! of another, and compute of execution `k + 1` runs while the sends of `k` complete.
@@ -115,12 +116,19 @@ pub(crate) fn overlapped(ops: Vec<OpSpec>) -> Vec<OpSpec> {
             }
         }
     }
-    // Collectives: wait only where the result is first used.
+    // Receives and collectives: wait only where the value is first used. A receive may sit
+    // well before its use once ordered to meet its send (order.rs); its wait goes to the use
+    // so that the compute in between overlaps the transfer.
     let waits: Vec<u64> = out
         .iter()
         .filter_map(|o| match o {
             OpSpec::Collective {
                 node,
+                stage: Stage::Wait,
+                ..
+            }
+            | OpSpec::Recv {
+                edge: node,
                 stage: Stage::Wait,
                 ..
             } => Some(*node),
@@ -130,7 +138,19 @@ pub(crate) fn overlapped(ops: Vec<OpSpec>) -> Vec<OpSpec> {
     for node in waits {
         let at = out
             .iter()
-            .position(|o| matches!(o, OpSpec::Collective { node: n, stage: Stage::Wait, .. } if *n == node))
+            .position(|o| match o {
+                OpSpec::Collective {
+                    node: n,
+                    stage: Stage::Wait,
+                    ..
+                }
+                | OpSpec::Recv {
+                    edge: n,
+                    stage: Stage::Wait,
+                    ..
+                } => *n == node,
+                _ => false,
+            })
             .expect("the wait is there");
         let wait = out.remove(at);
         let first_use = out[at..]
@@ -891,6 +911,19 @@ mod tests {
                 "recv11:Wait",
                 "C7"
             ]
+        );
+    }
+
+    /// A receive ordered early to meet its send is waited for only where it is used, so
+    /// the compute in between overlaps it.
+    #[test]
+    fn receive_waits_sink_to_first_use() {
+        let out = overlapped(vec![recv(10), compute(5, &[]), compute(6, &[10])]);
+        let stages: Vec<Option<Stage>> = out.iter().map(OpSpec::comm_stage).collect();
+        assert_eq!(
+            stages,
+            [Some(Stage::Issue), None, Some(Stage::Wait), None],
+            "{out:?}"
         );
     }
 
