@@ -1688,13 +1688,13 @@ fn random_graph(
             _ => {
                 // An allreduce over every actor, of each actor's latest tensor.
                 let mut inputs = Vec::new();
-                for a in 0..n {
+                for (a, actor) in s.iter().enumerate() {
                     let i = match ts.iter().rposition(|t| t.actor == a) {
                         Some(i) => i,
                         None => {
                             let r = a as u32;
                             ts.push(RandTensor {
-                                node: s[a].make(&x).with_tensor_transport(comm()),
+                                node: actor.make(&x).with_tensor_transport(comm()),
                                 actor: a,
                                 eval: Box::new(move |x| f32s(&made(r, x))),
                                 used: false,
