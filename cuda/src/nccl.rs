@@ -37,7 +37,7 @@ use crate::error::{CudaError, driver_err, guard};
 use crate::libs::check_nccl;
 use adag::comm::{
     CommError, CommId, CommOp, Communicator, CommunicatorFactory, CommunicatorGroup,
-    DEFAULT_TIMEOUT, GroupTicket, ReduceOp, StreamId, register_factory,
+    DEFAULT_TIMEOUT, GroupTicket, ReduceOp, SendCompletion, StreamId, register_factory,
 };
 use adag::tensor::{DType, Device, Tensor, TensorError};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -535,6 +535,10 @@ impl CommunicatorGroup for NcclGroup {
     fn destroy(&self) {
         NcclGroup::destroy(self);
     }
+    /// Rendezvous: an NCCL send completes only once the peer posts the matching receive.
+    fn send_completion(&self) -> SendCompletion {
+        SendCompletion::Rendezvous
+    }
 }
 
 /// Makes [`NcclGroup`]s (`transport_name() == "nccl"`) and opens their ranks from tickets.
@@ -548,6 +552,12 @@ pub struct NcclFactory {
 impl CommunicatorFactory for NcclFactory {
     fn transport_name(&self) -> &str {
         TRANSPORT
+    }
+
+    /// Rendezvous: an NCCL send completes only once the peer posts the matching receive, so
+    /// the compiler schedules every receive to meet its send.
+    fn send_completion(&self) -> SendCompletion {
+        SendCompletion::Rendezvous
     }
 
     fn create_group(
@@ -1491,6 +1501,10 @@ impl Communicator for NcclCommunicator {
 
     fn comm_id(&self) -> Option<CommId> {
         Some(self.inner.group.id)
+    }
+
+    fn send_completion(&self) -> SendCompletion {
+        SendCompletion::Rendezvous
     }
 
     fn device(&self) -> Device {

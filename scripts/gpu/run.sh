@@ -18,7 +18,11 @@
 #      the CUDA-only tests still run and the NCCL ones are reported as NOT RUN;
 #   3. runs every test of adag-cuda, the #[ignore]d GPU ones included, one at a time
 #      (cargo test -p adag-cuda -- --include-ignored --test-threads=1);
-#   4. runs the bench (cuda/src/bin/nccl-bench.rs): copies, then allreduce and send/recv with
+#   4. runs the 1F1B pipeline graph of tests/collectives.rs (2 stages, 4 micro-batches) on the
+#      NCCL communicator (cuda/tests/gpu_pipeline.rs, gpu_nccl_1f1b_pipeline): the compiler must
+#      order every receive to meet its send, as NCCL sends are rendezvous; reported on its own
+#      line (NOT RUN without a GPU or NCCL; SKIPPED with one GPU if NCCL refuses two ranks on it);
+#   5. runs the bench (cuda/src/bin/nccl-bench.rs): copies, then allreduce and send/recv with
 #      two ranks (two GPUs, or two ranks on one GPU if NCCL allows it), and one-rank NCCL.
 # Every step has a timeout; the whole script stays under about 8 minutes. Logs and a summary
 # go to $OUT (the device tool's output folder) or target/gpu-out.
@@ -37,7 +41,7 @@ while [ $# -gt 0 ]; do
         --quick) BENCH_ARGS=(--max 16M --max-iters 100); shift ;;
         --no-bench) RUN_BENCH=0; shift ;;
         --no-tests) RUN_TESTS=0; shift ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
         *) echo "unknown argument $1 (see --help)"; exit 64 ;;
     esac
 done
@@ -174,6 +178,29 @@ if [ "$RUN_TESTS" = 1 ]; then
     if [ "$STATUS" = 0 ]; then result "tests" "ok"; else result "tests" "FAIL (status $STATUS; log $LOG_DIR/tests.log)"; fi
     grep -E "^test .* (ok|FAILED|ignored)|SKIPPED|test result" "$LOG_DIR/tests.log" | sed 's/^/    /' > "$LOG_DIR/tests.summary" || true
     [ "$NCCL_FOUND" = 1 ] || result "NCCL tests" "NOT RUN (no libnccl)"
+fi
+
+GPU_SEEN=0
+if command -v nvidia-smi >/dev/null 2>&1 && timeout 30 nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then GPU_SEEN=1; fi
+if [ "$RUN_TESTS" = 1 ]; then
+    section "5b. 1F1B pipeline on the NCCL communicator"
+    if [ "$GPU_SEEN" = 0 ] || [ "$NCCL_FOUND" = 0 ]; then
+        result "1F1B on NCCL" "NOT RUN (needs a GPU and NCCL)"
+    else
+        if [ -n "$PREBUILT" ]; then
+            timeout 180 "$PREBUILT/test-gpu_pipeline" --include-ignored --test-threads=1 --nocapture gpu_nccl_1f1b_pipeline 2>&1 | tee "$LOG_DIR/1f1b.log"
+        else
+            timeout 180 cargo test "${CARGO_FEATURES[@]}" --test gpu_pipeline -- --include-ignored --test-threads=1 --nocapture gpu_nccl_1f1b_pipeline 2>&1 | tee "$LOG_DIR/1f1b.log"
+        fi
+        STATUS=${PIPESTATUS[0]}
+        if [ "$STATUS" != 0 ]; then
+            result "1F1B on NCCL" "FAIL (status $STATUS; log $LOG_DIR/1f1b.log)"
+        elif grep -q SKIPPED "$LOG_DIR/1f1b.log"; then
+            result "1F1B on NCCL" "SKIPPED: $(grep -m1 SKIPPED "$LOG_DIR/1f1b.log")"
+        else
+            result "1F1B on NCCL" "ok"
+        fi
+    fi
 fi
 
 if [ "$RUN_BENCH" = 1 ]; then

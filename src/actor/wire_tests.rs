@@ -75,6 +75,7 @@ fn plan() -> GraphPlan {
         }],
         inputs: vec![1],
         outputs: vec![7],
+        comm_groups: vec![],
     }
 }
 

@@ -46,7 +46,7 @@
 //! per mailbox.
 use super::{
     CommError, CommId, CommOp, Communicator, CommunicatorFactory, CommunicatorGroup,
-    DEFAULT_TIMEOUT, GroupTicket, ReduceOp, reduce_bytes,
+    DEFAULT_TIMEOUT, GroupTicket, ReduceOp, SendCompletion, reduce_bytes,
 };
 use crate::tensor::{AlignedBuf, DType, Tensor, TensorError};
 use memmap2::{MmapOptions, MmapRaw};
@@ -882,6 +882,9 @@ impl CommunicatorGroup for CpuGroup {
     fn destroy(&self) {
         self.region.destroy();
     }
+    fn send_completion(&self) -> SendCompletion {
+        SendCompletion::Buffered
+    }
 }
 
 /// Makes [`CpuGroup`]s (`transport_name() == "cpu"`) and opens their ranks from tickets.
@@ -894,6 +897,10 @@ pub struct CpuFactory {
 impl CommunicatorFactory for CpuFactory {
     fn transport_name(&self) -> &str {
         TRANSPORT
+    }
+
+    fn send_completion(&self) -> SendCompletion {
+        SendCompletion::Buffered
     }
 
     fn create_group(
@@ -1443,6 +1450,13 @@ impl CpuCommunicator {
 impl Communicator for CpuCommunicator {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Buffered: a send returns once its chunks are in the pair's mailbox (two entries of
+    /// `chunk_bytes`), before the peer receives. A larger tensor, or a third message queued
+    /// to the same peer, waits for the receiver to drain the mailbox.
+    fn send_completion(&self) -> SendCompletion {
+        SendCompletion::Buffered
     }
 
     fn world_size(&self) -> usize {

@@ -415,6 +415,25 @@ impl fmt::Debug for CommId {
     }
 }
 
+/// Whether a [`Communicator::send`] completes without its receiver: what the compiler's
+/// scheduler and deadlock check assume of a group's point-to-point sends.
+///
+/// `Rendezvous` (the default, and the conservative answer) means a send may wait until the
+/// peer has started the matching `recv` (NCCL: the send kernel does not finish before the
+/// receive is posted). The scheduler then places every receive where its send is issued, so
+/// that the two meet. `Buffered` means a send returns once the tensor is copied into the
+/// backend's buffer, whether or not the peer is receiving yet (the CPU communicator's
+/// mailboxes); receives then stay where the receiver first needs the tensor, and the
+/// deadlock check lets a send complete alone. Collectives always wait for every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum SendCompletion {
+    /// A send may wait for the matching receive.
+    #[default]
+    Rendezvous,
+    /// A send completes once its tensor is buffered, without the receiver.
+    Buffered,
+}
+
 /// One rank's handle on a group of ranks that exchange tensors.
 ///
 /// Every method that waits for other ranks has a deadline and returns
@@ -479,6 +498,12 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn send_stream(&self) -> Option<StreamId> {
         None
     }
+
+    /// Whether [`send`](Communicator::send) completes without the receiver
+    /// ([`SendCompletion::Rendezvous`] unless the backend says otherwise).
+    fn send_completion(&self) -> SendCompletion {
+        SendCompletion::Rendezvous
+    }
 }
 
 /// What another process needs, besides the group's file descriptors, to open one rank of a
@@ -523,6 +548,13 @@ pub trait CommunicatorGroup: Send + Sync + fmt::Debug {
 
     /// Destroys the group, waking every rank blocked in it.
     fn destroy(&self);
+
+    /// Whether the sends of this group's communicators complete without the receiver; the
+    /// compiler records it per group and schedules by it ([`SendCompletion::Rendezvous`],
+    /// the conservative answer, unless the backend says otherwise).
+    fn send_completion(&self) -> SendCompletion {
+        SendCompletion::Rendezvous
+    }
 }
 
 /// Makes groups of one transport (the CPU backend, NCCL...) and opens their ranks in other
@@ -547,6 +579,13 @@ pub trait CommunicatorFactory: Send + Sync + fmt::Debug {
         fds: Vec<OwnedFd>,
         rank: usize,
     ) -> Result<Arc<dyn Communicator>, CommError>;
+
+    /// Whether the sends of the groups this factory makes complete without the receiver
+    /// (what `default_communicator = Create` records at compile time, before any group
+    /// exists). [`SendCompletion::Rendezvous`] unless the backend says otherwise.
+    fn send_completion(&self) -> SendCompletion {
+        SendCompletion::Rendezvous
+    }
 }
 
 static FACTORIES: RwLock<Vec<Arc<dyn CommunicatorFactory>>> = RwLock::new(Vec::new());
@@ -702,6 +741,19 @@ impl CommunicatorGroup for LocalGroup {
         for c in &self.comms {
             // Destroy is best effort on teardown; each communicator reports its own errors.
             let _ = c.destroy();
+        }
+    }
+    fn send_completion(&self) -> SendCompletion {
+        // Buffered only if every rank's sends are: one rendezvous rank makes the group's
+        // sends wait for their receivers.
+        if self
+            .comms
+            .iter()
+            .all(|c| c.send_completion() == SendCompletion::Buffered)
+        {
+            SendCompletion::Buffered
+        } else {
+            SendCompletion::Rendezvous
         }
     }
 }

@@ -16,7 +16,7 @@
 //! Groups made by `Create` use the CPU backend (`"cpu"`), or `"nccl"` when every actor of the
 //! group is on a CUDA device (that factory comes from the NCCL crate).
 use super::DefaultCommunicator;
-use crate::comm::{self, register_linked_factories};
+use crate::comm::{self, SendCompletion, register_linked_factories};
 use crate::compile::plan::Loc;
 use crate::dag::collective::CollectiveGroup;
 use crate::dag::{ActorRef, CustomCommunicator, NodeInner, NodeKind, Transport};
@@ -43,6 +43,9 @@ pub(crate) struct GroupPlan {
     pub source: GroupSource,
     /// The nodes that use it.
     pub users: Vec<String>,
+    /// Whether its sends complete without the receiver (from the custom group, or the
+    /// factory that will make it): the scheduler places receives by it.
+    pub sends: SendCompletion,
 }
 
 impl GroupPlan {
@@ -123,11 +126,19 @@ impl Builder<'_> {
 
     fn push(&mut self, actors: Vec<ActorRef>, source: GroupSource, user: &str) -> u32 {
         let index = self.plan.groups.len() as u32;
+        let sends = match &source {
+            GroupSource::Custom(c) => c.group.send_completion(),
+            // No factory yet is an error at start; rendezvous is the safe assumption.
+            GroupSource::Create { transport } => {
+                comm::factory(transport).map_or(SendCompletion::Rendezvous, |f| f.send_completion())
+            }
+        };
         self.plan.groups.push(GroupPlan {
             index,
             actors,
             source,
             users: vec![user.to_string()],
+            sends,
         });
         index
     }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 pub(crate) mod comms;
 mod options;
+mod order;
 pub(crate) mod plan;
 pub(crate) mod schedule;
 pub(crate) use options::deadline_after;
@@ -413,6 +414,7 @@ fn build_plan(
             .collect(),
         inputs,
         outputs: outputs.iter().map(|o| o.id).collect(),
+        comm_groups: comm.groups.iter().map(|g| g.sends).collect(),
     };
     schedule::finish(&mut plan, opts.overlap_gpu_communication)?;
     Ok((plan, comm))

@@ -189,6 +189,9 @@ pub(crate) struct GraphPlan {
     pub inputs: Vec<u64>,
     /// Output edges in the user's order (an edge may appear twice).
     pub outputs: Vec<u64>,
+    /// How the sends of each communicator group complete, by group index (`group` of
+    /// `Recv`, `Send` and `Collective`): the schedule and the deadlock check depend on it.
+    pub comm_groups: Vec<crate::comm::SendCompletion>,
 }
 
 impl GraphPlan {

@@ -1,4 +1,5 @@
-//! The per-actor schedules once communicators are involved: the reordering of
+//! The per-actor schedules once communicators are involved: the order of receives
+//! (`order.rs`: matching operations meet on rendezvous groups), the reordering of
 //! `overlap_gpu_communication`, and the compile-time deadlock check of every graph with
 //! communicator operations.
 //!
@@ -7,35 +8,41 @@
 //! communication thread (a send, a receive, a collective), `Wait` joins it just before its
 //! value is first used. Receives are issued as early as possible: each one moves back past
 //! computes, reads, writes and waits, up to the previous communicator issue (so the relative
-//! order of communicator operations, which every peer relies on, never changes). A
-//! collective's wait moves forward to its result's first use. A send has no wait: the
+//! order of communicator operations, which every peer relies on, never changes); its wait
+//! stays at the first use of the tensor. A collective's wait moves forward to its result's
+//! first use. A send has no wait: the
 //! actor's loop goes on at once, and the next issue of the same edge (one execution later)
 //! joins it. Compute of one task thus runs while the communication thread moves the tensors
 //! of another, and compute of execution `k + 1` runs while the sends of `k` complete.
 //!
 //! # Deadlock check
-//! Communicator operations are rendezvous: a send completes only with its receive, a
-//! collective only when every member reaches it (what NCCL requires; the CPU backend is more
-//! lenient, but a graph must not rely on it). The check simulates every actor's schedule
+//! A collective completes only when every member reaches it. A send on a rendezvous group
+//! (NCCL) completes only with its receive; a send on a buffered group (the CPU
+//! communicator) completes at once and queues its tensor for the receiver, whose receive
+//! completes once that tensor is the next one queued from that sender (messages of a pair
+//! are matched in order). The group's kind is `GraphPlan::comm_groups`, from
+//! `send_completion()` of the communicator. The check simulates every actor's schedule
 //! for [`ROUNDS`] executions: each actor has a main thread running its schedule and, with
 //! overlap, a communication thread running the operations in the order they were issued.
 //! Computes and ordinary channel writes always proceed (channels are buffered); an ordinary
 //! read proceeds once its writer wrote that execution's value (the driver's inputs are always
-//! there); a rendezvous proceeds when all its participants are at it at once; an issue
+//! there); a rendezvous proceeds when all its participants are at it at once; a buffered send
+//! at once, a buffered receive once its tensor heads its sender's queue; an issue
 //! proceeds at once (a send's issue once the previous send of that edge is done); a wait once
 //! its operation is done. If the simulation stops before every thread finished, the graph
 //! would deadlock: the error follows the wait-for relation from a blocked thread until it
 //! closes a cycle and names each actor and the operation it is blocked at.
 use super::plan::{ActorPlan, ArgSource, GraphPlan, Loc, OpSpec, Stage};
+use crate::comm::SendCompletion;
 use crate::error::{Error, Result};
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 /// Executions simulated by the deadlock check: enough for the steady state of a schedule
 /// whose sends of one execution complete during the next.
 pub(crate) const ROUNDS: u64 = 3;
 
-/// Apply `overlap` (if asked) and check the result for deadlocks (if it has communicator
-/// operations).
+/// Order the receives (`order.rs`), apply `overlap` (if asked) and check the result for
+/// deadlocks (if it has communicator operations).
 pub(crate) fn finish(plan: &mut GraphPlan, overlap: bool) -> Result<()> {
     let has_comm = plan
         .actors
@@ -44,6 +51,7 @@ pub(crate) fn finish(plan: &mut GraphPlan, overlap: bool) -> Result<()> {
     if !has_comm {
         return Ok(());
     }
+    super::order::order_receives(plan);
     if overlap {
         for a in &mut plan.actors {
             a.ops = overlapped(std::mem::take(&mut a.ops));
@@ -108,12 +116,19 @@ pub(crate) fn overlapped(ops: Vec<OpSpec>) -> Vec<OpSpec> {
             }
         }
     }
-    // Collectives: wait only where the result is first used.
+    // Receives and collectives: wait only where the value is first used. A receive may sit
+    // well before its use once ordered to meet its send (order.rs); its wait goes to the use
+    // so that the compute in between overlaps the transfer.
     let waits: Vec<u64> = out
         .iter()
         .filter_map(|o| match o {
             OpSpec::Collective {
                 node,
+                stage: Stage::Wait,
+                ..
+            }
+            | OpSpec::Recv {
+                edge: node,
                 stage: Stage::Wait,
                 ..
             } => Some(*node),
@@ -123,7 +138,19 @@ pub(crate) fn overlapped(ops: Vec<OpSpec>) -> Vec<OpSpec> {
     for node in waits {
         let at = out
             .iter()
-            .position(|o| matches!(o, OpSpec::Collective { node: n, stage: Stage::Wait, .. } if *n == node))
+            .position(|o| match o {
+                OpSpec::Collective {
+                    node: n,
+                    stage: Stage::Wait,
+                    ..
+                }
+                | OpSpec::Recv {
+                    edge: n,
+                    stage: Stage::Wait,
+                    ..
+                } => *n == node,
+                _ => false,
+            })
             .expect("the wait is there");
         let wait = out.remove(at);
         let first_use = out[at..]
@@ -142,6 +169,28 @@ enum Rdv {
     P2p { edge: u64, reader: u64, k: u64 },
     /// Collective `coll`.
     Coll { coll: u64, k: u64 },
+}
+
+/// How one side of a communicator operation completes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// With every participant at once (a collective, a rendezvous send or receive).
+    Meet,
+    /// At once, queueing the tensor for its receiver (a buffered send).
+    Post,
+    /// Once its tensor heads the queue from its sender (a buffered receive).
+    Take,
+}
+
+/// One step of a communicator operation: the rendezvous it belongs to, how it completes,
+/// and its description for errors.
+#[derive(Debug, Clone)]
+struct Step {
+    id: Rdv,
+    side: Side,
+    /// The queue of a buffered step: (group, writer, reader).
+    queue: (u32, u64, u64),
+    what: String,
 }
 
 /// What a communication thread job is: one communicator operation of one execution.
@@ -166,12 +215,11 @@ enum SimOp {
         k: u64,
     },
     Rdv {
-        id: Rdv,
-        what: String,
+        step: Step,
     },
     Issue {
         job: Job,
-        steps: Vec<(Rdv, String)>,
+        steps: Vec<Step>,
         after: Option<Job>,
         what: String,
     },
@@ -186,8 +234,8 @@ struct Actor {
     name: String,
     main: Vec<SimOp>,
     pc: usize,
-    /// The communication thread's queue: rendezvous with the job they finish.
-    comm: Vec<(Rdv, String, Option<Job>)>,
+    /// The communication thread's queue: steps with the job they finish.
+    comm: Vec<(Step, Option<Job>)>,
     cpc: usize,
 }
 
@@ -198,8 +246,9 @@ fn describe_rdv(
     plan: &GraphPlan,
     names: &HashMap<u64, String>,
     op: &OpSpec,
+    me: u64,
     k: u64,
-) -> Vec<(Rdv, String)> {
+) -> Vec<Step> {
     let label = |e: &u64| {
         plan.edges
             .get(e)
@@ -211,23 +260,36 @@ fn describe_rdv(
             .cloned()
             .unwrap_or_else(|| format!("actor {a}"))
     };
+    let buffered = |group: &u32| {
+        plan.comm_groups.get(*group as usize).copied() == Some(SendCompletion::Buffered)
+    };
+    let writer_of = |edge: &u64| match plan.edges.get(edge).map(|e| e.writer) {
+        Some(Loc::Actor(w)) => Some(w),
+        _ => None,
+    };
     match op {
-        OpSpec::Recv { edge, .. } => {
-            let writer = match plan.edges.get(edge).map(|e| e.writer) {
-                Some(Loc::Actor(w)) => name(&w),
-                _ => "the driver".into(),
-            };
-            // The reader is the actor running this op; filled in by the caller.
-            vec![(
-                Rdv::P2p {
+        OpSpec::Recv { edge, group, .. } => {
+            let writer = writer_of(edge);
+            vec![Step {
+                id: Rdv::P2p {
                     edge: *edge,
-                    reader: u64::MAX,
+                    reader: me,
                     k,
                 },
-                format!("recv {} from {writer} (execution {k})", label(edge)),
-            )]
+                side: if buffered(group) {
+                    Side::Take
+                } else {
+                    Side::Meet
+                },
+                queue: (*group, writer.unwrap_or(u64::MAX), me),
+                what: format!(
+                    "recv {} from {} (execution {k})",
+                    label(edge),
+                    writer.map_or_else(|| "the driver".into(), |w| name(&w))
+                ),
+            }]
         }
-        OpSpec::Send { edge, .. } => {
+        OpSpec::Send { edge, group, .. } => {
             let e = plan.edges.get(edge);
             let readers: Vec<u64> = e
                 .map(|e| {
@@ -241,22 +303,30 @@ fn describe_rdv(
                 .unwrap_or_default();
             readers
                 .iter()
-                .map(|r| {
-                    (
-                        Rdv::P2p {
-                            edge: *edge,
-                            reader: *r,
-                            k,
-                        },
-                        format!("send {} to {} (execution {k})", label(edge), name(r)),
-                    )
+                .map(|r| Step {
+                    id: Rdv::P2p {
+                        edge: *edge,
+                        reader: *r,
+                        k,
+                    },
+                    side: if buffered(group) {
+                        Side::Post
+                    } else {
+                        Side::Meet
+                    },
+                    queue: (*group, me, *r),
+                    what: format!("send {} to {} (execution {k})", label(edge), name(r)),
                 })
                 .collect()
         }
-        OpSpec::Collective { node, coll, .. } => vec![(
-            Rdv::Coll { coll: *coll, k },
-            format!("{} (execution {k})", label(node)),
-        )],
+        OpSpec::Collective {
+            node, coll, group, ..
+        } => vec![Step {
+            id: Rdv::Coll { coll: *coll, k },
+            side: Side::Meet,
+            queue: (*group, me, me),
+            what: format!("{} (execution {k})", label(node)),
+        }],
         _ => Vec::new(),
     }
 }
@@ -274,16 +344,6 @@ fn unroll(plan: &GraphPlan, names: &HashMap<u64, String>, a: &ActorPlan) -> Vec<
     let mut out = Vec::new();
     for k in 0..ROUNDS {
         for op in &a.ops {
-            let fix_reader = |mut steps: Vec<(Rdv, String)>| {
-                for (r, _) in &mut steps {
-                    if let Rdv::P2p { reader, .. } = r
-                        && *reader == u64::MAX
-                    {
-                        *reader = a.actor;
-                    }
-                }
-                steps
-            };
             match op {
                 OpSpec::Compute { .. } | OpSpec::Split { .. } => {
                     out.push(SimOp::Local { writes: None })
@@ -295,18 +355,18 @@ fn unroll(plan: &GraphPlan, names: &HashMap<u64, String>, a: &ActorPlan) -> Vec<
                 OpSpec::Recv { stage, .. }
                 | OpSpec::Send { stage, .. }
                 | OpSpec::Collective { stage, .. } => {
-                    let steps = fix_reader(describe_rdv(plan, names, op, k));
+                    let steps = describe_rdv(plan, names, op, a.actor, k);
                     let key = job_key(op).expect("a communicator op");
                     match stage {
                         Stage::Inline => {
-                            out.extend(steps.into_iter().map(|(id, what)| SimOp::Rdv { id, what }))
+                            out.extend(steps.into_iter().map(|step| SimOp::Rdv { step }))
                         }
                         Stage::Issue => {
                             let what = format!(
                                 "issue of {}",
                                 steps
                                     .first()
-                                    .map_or_else(|| format!("{key:?}"), |s| s.1.clone())
+                                    .map_or_else(|| format!("{key:?}"), |s| s.what.clone())
                             );
                             let after =
                                 (matches!(key, JobKey::Send(_)) && k > 0).then_some((key, k - 1));
@@ -322,7 +382,7 @@ fn unroll(plan: &GraphPlan, names: &HashMap<u64, String>, a: &ActorPlan) -> Vec<
                                 "wait for {}",
                                 steps
                                     .first()
-                                    .map_or_else(|| format!("{key:?}"), |s| s.1.clone())
+                                    .map_or_else(|| format!("{key:?}"), |s| s.what.clone())
                             );
                             out.push(SimOp::Wait {
                                 job: (key, k),
@@ -388,6 +448,26 @@ pub(crate) fn check_deadlock(plan: &GraphPlan) -> Result<()> {
     };
     let mut written: HashSet<(u64, u64)> = HashSet::new();
     let mut done: HashSet<(usize, Job)> = HashSet::new();
+    // Tensors sent on buffered groups and not yet received, per (group, writer, reader).
+    let mut queues: HashMap<(u32, u64, u64), VecDeque<Rdv>> = HashMap::new();
+    // A buffered step proceeds alone: a send queues its tensor, a receive takes the tensor at
+    // the head of its queue if it is its own.
+    let mut alone = |step: &Step| match step.side {
+        Side::Post => {
+            queues.entry(step.queue).or_default().push_back(step.id);
+            true
+        }
+        Side::Take => {
+            let q = queues.entry(step.queue).or_default();
+            if q.front() == Some(&step.id) {
+                q.pop_front();
+                true
+            } else {
+                false
+            }
+        }
+        Side::Meet => false,
+    };
     loop {
         let mut progress = false;
         for (ai, a) in actors.iter_mut().enumerate() {
@@ -417,9 +497,8 @@ pub(crate) fn check_deadlock(plan: &GraphPlan) -> Result<()> {
                                 done.insert((ai, *job));
                             }
                             let n = steps.len();
-                            for (i, (id, what)) in steps.iter().enumerate() {
-                                a.comm
-                                    .push((*id, what.clone(), (i + 1 == n).then_some(*job)));
+                            for (i, step) in steps.iter().enumerate() {
+                                a.comm.push((step.clone(), (i + 1 == n).then_some(*job)));
                             }
                             true
                         } else {
@@ -427,7 +506,7 @@ pub(crate) fn check_deadlock(plan: &GraphPlan) -> Result<()> {
                         }
                     }
                     SimOp::Wait { job, .. } => done.contains(&(ai, *job)),
-                    SimOp::Rdv { .. } => false,
+                    SimOp::Rdv { step } => alone(step),
                 };
                 if !go {
                     break;
@@ -435,15 +514,30 @@ pub(crate) fn check_deadlock(plan: &GraphPlan) -> Result<()> {
                 a.pc += 1;
                 progress = true;
             }
+            // The communication thread's buffered steps.
+            while let Some((step, job)) = a.comm.get(a.cpc) {
+                if !alone(step) {
+                    break;
+                }
+                if let Some(job) = job {
+                    done.insert((ai, *job));
+                }
+                a.cpc += 1;
+                progress = true;
+            }
         }
         // Rendezvous whose participants are all there.
         let mut at: BTreeMap<Rdv, Vec<Thread>> = BTreeMap::new();
         for (ai, a) in actors.iter().enumerate() {
-            if let Some(SimOp::Rdv { id, .. }) = a.main.get(a.pc) {
-                at.entry(*id).or_default().push((ai, false));
+            if let Some(SimOp::Rdv { step }) = a.main.get(a.pc)
+                && step.side == Side::Meet
+            {
+                at.entry(step.id).or_default().push((ai, false));
             }
-            if let Some((id, _, _)) = a.comm.get(a.cpc) {
-                at.entry(*id).or_default().push((ai, true));
+            if let Some((step, _)) = a.comm.get(a.cpc)
+                && step.side == Side::Meet
+            {
+                at.entry(step.id).or_default().push((ai, true));
             }
         }
         for (id, threads) in at {
@@ -452,7 +546,7 @@ pub(crate) fn check_deadlock(plan: &GraphPlan) -> Result<()> {
                 for (ai, comm) in threads {
                     let a = &mut actors[ai];
                     if comm {
-                        if let Some(job) = a.comm[a.cpc].2 {
+                        if let Some(job) = a.comm[a.cpc].1 {
                             done.insert((ai, job));
                         }
                         a.cpc += 1;
@@ -471,20 +565,29 @@ pub(crate) fn check_deadlock(plan: &GraphPlan) -> Result<()> {
     if actors.iter().all(finished) {
         return Ok(());
     }
-    // Explain: follow who waits for whom until a thread repeats.
+    // Explain: follow who waits for whom until a thread repeats. A buffered receive waits for
+    // its sender's main thread (which has not sent yet).
+    let sender_of = |step: &Step| index.get(&step.queue.1).map(|&w| (w, false));
     let blocked_at = |t: Thread| -> (String, Vec<Thread>) {
         let a = &actors[t.0];
         if t.1 {
             match a.comm.get(a.cpc) {
-                Some((id, what, _)) => {
-                    let others = participants(id)
+                Some((step, _)) if step.side == Side::Take => {
+                    (step.what.clone(), sender_of(step).into_iter().collect())
+                }
+                Some((step, _)) => {
+                    let others = participants(&step.id)
                         .into_iter()
                         .filter(|&b| {
-                            b != t.0 && actors[b].comm.get(actors[b].cpc).is_none_or(|c| c.0 != *id)
+                            b != t.0
+                                && actors[b]
+                                    .comm
+                                    .get(actors[b].cpc)
+                                    .is_none_or(|c| c.0.id != step.id)
                         })
                         .map(|b| (b, true))
                         .collect();
-                    (what.clone(), others)
+                    (step.what.clone(), others)
                 }
                 None => ("nothing issued yet".into(), vec![(t.0, false)]),
             }
@@ -501,15 +604,18 @@ pub(crate) fn check_deadlock(plan: &GraphPlan) -> Result<()> {
                         writer.map(|w| vec![(w, false)]).unwrap_or_default(),
                     )
                 }
-                Some(SimOp::Rdv { id, what }) => {
-                    let others = participants(id)
+                Some(SimOp::Rdv { step }) if step.side == Side::Take => {
+                    (step.what.clone(), sender_of(step).into_iter().collect())
+                }
+                Some(SimOp::Rdv { step }) => {
+                    let others = participants(&step.id)
                         .into_iter()
                         .filter(|&b| {
-                            b != t.0 && !matches!(actors[b].main.get(actors[b].pc), Some(SimOp::Rdv { id: other, .. }) if other == id)
+                            b != t.0 && !matches!(actors[b].main.get(actors[b].pc), Some(SimOp::Rdv { step: other }) if other.id == step.id)
                         })
                         .map(|b| (b, false))
                         .collect();
-                    (what.clone(), others)
+                    (step.what.clone(), others)
                 }
                 Some(SimOp::Issue { what, .. }) => (
                     format!("{what} (the previous send of that edge has not finished)"),
@@ -598,11 +704,11 @@ pub(crate) fn check_deadlock(plan: &GraphPlan) -> Result<()> {
         .map(|((ai, comm), _)| {
             let a = &actors[*ai];
             if *comm {
-                a.comm.get(a.cpc).map(|c| rdv_node(&c.0))
+                a.comm.get(a.cpc).map(|c| rdv_node(&c.0.id))
             } else {
                 match a.main.get(a.pc) {
                     Some(SimOp::Read { edge, .. }) => Some(label(edge)),
-                    Some(SimOp::Rdv { id, .. }) => Some(rdv_node(id)),
+                    Some(SimOp::Rdv { step }) => Some(rdv_node(&step.id)),
                     Some(SimOp::Issue { job, .. } | SimOp::Wait { job, .. }) => Some(job_node(job)),
                     _ => None,
                 }
@@ -683,33 +789,75 @@ mod tests {
                 .collect(),
             inputs: vec![],
             outputs: vec![],
+            comm_groups: vec![SendCompletion::Rendezvous],
         }
     }
 
+    fn crossed() -> GraphPlan {
+        plan(
+            vec![
+                (
+                    1,
+                    vec![compute(10, &[]), send(10), recv(20), compute(30, &[20])],
+                ),
+                (
+                    2,
+                    vec![compute(20, &[]), send(20), recv(10), compute(40, &[10])],
+                ),
+            ],
+            vec![edge(10, 1, &[2]), edge(20, 2, &[1])],
+        )
+    }
+
+    /// Crossed sends in bind order deadlock on a rendezvous group, and the error names the
+    /// cycle; on a buffered group the same order is fine.
     #[test]
-    fn crossed_sends_deadlock() {
-        // A sends e1 to B then receives e2; B sends e2 to A then receives e1.
+    fn crossed_sends_in_bind_order() {
         for overlap in [false, true] {
-            let mut p = plan(
-                vec![
-                    (
-                        1,
-                        vec![compute(10, &[]), send(10), recv(20), compute(30, &[20])],
-                    ),
-                    (
-                        2,
-                        vec![compute(20, &[]), send(20), recv(10), compute(40, &[10])],
-                    ),
-                ],
-                vec![edge(10, 1, &[2]), edge(20, 2, &[1])],
-            );
-            let e = finish(&mut p, overlap).unwrap_err().to_string();
+            let mut p = crossed();
+            if overlap {
+                for a in &mut p.actors {
+                    a.ops = overlapped(std::mem::take(&mut a.ops));
+                }
+            }
+            let e = check_deadlock(&p).unwrap_err().to_string();
             assert!(
                 e.contains("A1") && e.contains("A2") && e.contains("cycle"),
                 "{e}"
             );
             assert!(e.contains("send e10 to A2"), "{e}");
+            p.comm_groups = vec![SendCompletion::Buffered];
+            check_deadlock(&p).unwrap();
         }
+    }
+
+    /// `finish` orders the receives so that the crossed sends meet: the same graph compiles
+    /// on a rendezvous group, with and without overlap.
+    #[test]
+    fn crossed_sends_meet_once_ordered() {
+        for overlap in [false, true] {
+            let mut p = crossed();
+            finish(&mut p, overlap).unwrap();
+        }
+    }
+
+    /// A buffered receive that is not at the head of its sender's queue never completes:
+    /// the check refuses a schedule that takes one sender's tensors out of order.
+    #[test]
+    fn buffered_receives_out_of_order_are_refused() {
+        let mut p = plan(
+            vec![
+                (
+                    1,
+                    vec![compute(10, &[]), send(10), compute(11, &[]), send(11)],
+                ),
+                (2, vec![recv(11), recv(10), compute(40, &[10, 11])]),
+            ],
+            vec![edge(10, 1, &[2]), edge(11, 1, &[2])],
+        );
+        p.comm_groups = vec![SendCompletion::Buffered];
+        let e = check_deadlock(&p).unwrap_err().to_string();
+        assert!(e.contains("recv e11 from A1"), "{e}");
     }
 
     #[test]
@@ -764,6 +912,19 @@ mod tests {
                 "recv11:Wait",
                 "C7"
             ]
+        );
+    }
+
+    /// A receive ordered early to meet its send is waited for only where it is used, so
+    /// the compute in between overlaps it.
+    #[test]
+    fn receive_waits_sink_to_first_use() {
+        let out = overlapped(vec![recv(10), compute(5, &[]), compute(6, &[10])]);
+        let stages: Vec<Option<Stage>> = out.iter().map(OpSpec::comm_stage).collect();
+        assert_eq!(
+            stages,
+            [Some(Stage::Issue), None, Some(Stage::Wait), None],
+            "{out:?}"
         );
     }
 
