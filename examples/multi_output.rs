@@ -44,7 +44,7 @@ fn main() -> anyhow::Result<()> {
     let input = dag.input();
     let (sum, label) = shards[0].stats(input.arg::<0>(), input.arg::<1>()).split();
     let scaled = shards[1]
-        .method("score")
+        .method("score")?
         .bind([ErasedArg::from(sum.erase())])
         .typed::<f64>()
         .expect("score returns f64");

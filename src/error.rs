@@ -63,6 +63,14 @@ pub enum Error {
         /// What is wrong and how to fix it.
         message: String,
     },
+    /// The input given to `execute` lacks a part the graph reads; nothing of it was sent.
+    #[error("the input does not fit the graph: part {part}: {message}")]
+    Input {
+        /// The input part, as `input[3]`.
+        part: String,
+        /// What is missing and what to pass.
+        message: String,
+    },
     /// The compiled graph was torn down; it runs no more executions.
     #[error("the compiled graph was torn down{}; compile the graph again to run it", reason_suffix(.reason))]
     TornDown {

@@ -1,10 +1,11 @@
-#![doc = include_str!("../README.md")]
+#![doc = include_str!("guide.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
 pub mod actor;
 mod buffer;
-pub mod channel;
+mod channel;
 pub mod comm;
 pub mod compile;
 pub mod dag;
@@ -25,7 +26,9 @@ pub use dag::{
     Transport,
 };
 pub use error::{Capacity, Error, Result};
-pub use exec::{CommunicatorInfo, CompiledGraph, CompiledRef, IntoOutputs, RefSet, get_all};
+pub use exec::{
+    CommunicatorInfo, CompiledGraph, CompiledRef, IndexedInput, IntoOutputs, RefSet, get_all,
+};
 pub use tensor::{DType, Device, Element, Tensor, TensorError};
 pub use value::{TypeTag, Value};
 

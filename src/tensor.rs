@@ -570,7 +570,7 @@ impl Tensor {
         if dtype == DType::Bool {
             validate_bool(&data)?;
         }
-        let data = if (data.as_ptr() as usize) % dtype.size() == 0 {
+        let data = if (data.as_ptr() as usize).is_multiple_of(dtype.size()) {
             data
         } else {
             let mut buf = AlignedBuf::zeroed(nbytes);

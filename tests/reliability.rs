@@ -352,7 +352,7 @@ impl Faulty {
     /// Panics on every 10th call.
     pub fn flaky(&mut self, x: u64) -> u64 {
         self.calls += 1;
-        if self.calls % 10 == 0 {
+        if self.calls.is_multiple_of(10) {
             panic!("flaky call {} on input {x}", self.calls);
         }
         x + self.k
@@ -510,7 +510,7 @@ fn kill_one_run(rt: &Runtime, run: usize, rng: &mut Rng) -> Duration {
     let victim_name = names[victim].clone();
     let victim_pid = actors[victim].pid().expect("pid");
     let delay = Duration::from_micros(rng.below(5_000));
-    let by_handle = run % 2 == 0;
+    let by_handle = run.is_multiple_of(2);
     // The killer: waits a random 0-5 ms while executions are in flight, then SIGKILLs.
     let killed_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let killer = {
@@ -706,7 +706,7 @@ fn panic_every_tenth_call_is_a_task_error() {
             let mut failed = 0;
             let mut check = |i: u64, r: CompiledRef<u64>| {
                 let got = r.get_timeout(Duration::from_secs(10));
-                if (i + 1) % 10 == 0 {
+                if (i + 1).is_multiple_of(10) {
                     failed += 1;
                     match got {
                         Err(Error::Task {

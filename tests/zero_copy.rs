@@ -78,7 +78,7 @@ impl Inspector {
         let sum = t.as_slice::<f64>().expect("f64 elements").iter().sum();
         (
             in_channel_memory(bytes.as_ptr()),
-            (bytes.as_ptr() as usize) % 64 == 0,
+            (bytes.as_ptr() as usize).is_multiple_of(64),
             sum,
         )
     }

@@ -153,10 +153,10 @@ fn error_string(code: sys::ncclResult_t) -> String {
     if let Ok(Some(s)) = s {
         msg.push_str(&format!(" ({s})"));
     }
-    if let Ok(Some(l)) = last {
-        if !l.is_empty() {
-            msg.push_str(&format!(": {l}"));
-        }
+    if let Ok(Some(l)) = last
+        && !l.is_empty()
+    {
+        msg.push_str(&format!(": {l}"));
     }
     msg
 }

@@ -42,7 +42,10 @@ fn sample(dtype: DType, shape: &[usize], seed: usize) -> Tensor {
         DType::I32 => Tensor::from_vec((0..n).map(|i| v(i) as i32).collect(), shape),
         DType::I64 => Tensor::from_vec((0..n).map(v).collect(), shape),
         DType::U8 => Tensor::from_vec((0..n).map(|i| v(i) as u8).collect(), shape),
-        DType::Bool => Tensor::from_vec((0..n).map(|i| (i + seed) % 2 == 0).collect(), shape),
+        DType::Bool => Tensor::from_vec(
+            (0..n).map(|i| (i + seed).is_multiple_of(2)).collect(),
+            shape,
+        ),
     }
     .unwrap()
 }

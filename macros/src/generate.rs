@@ -110,6 +110,7 @@ fn binder_impl(model: &ActorModel, names: &Names) -> TokenStream {
         quote! {
             #doc
             #attrs
+            #[must_use = "a bound node does nothing unless it is used by a task or is an output of the graph"]
             pub fn #ident(&self #(, #params)*) -> ::adag::Node<#r> {
                 self.0.bind::<#r>(#name, ::std::vec![#(#erased),*])
             }

@@ -25,11 +25,11 @@ use proc_macro::TokenStream;
 
 /// Makes the struct of an inherent `impl` block an adag actor.
 ///
-/// ```ignore
-/// use adag::actor;
+/// ```
+/// use adag::{actor, CompileOptions, Dag, Placement, Runtime};
 ///
 /// #[derive(Default)]
-/// struct Stage { scale: f32 }
+/// pub struct Stage { scale: f32 }
 ///
 /// #[actor]
 /// impl Stage {
@@ -55,9 +55,17 @@ use proc_macro::TokenStream;
 ///     fn helper(&self) -> usize { 0 }
 /// }
 ///
-/// // let stage = adag::spawn::<Stage>(2.0)?;          // an ActorHandle<Stage>
-/// // let out = stage.bind().forward(&input);         // a Node<Vec<f32>> in a graph
-/// // let y = stage.caller().check(7)?;               // a one-off call
+/// let rt = Runtime::new()?;
+/// let stage = rt.spawn::<Stage>(Placement::Thread, 2.0)?;   // an ActorHandle<Stage>
+/// let dag = Dag::<Vec<f32>>::new();
+/// let out = stage.forward(dag.input());                     // a Node<Vec<f32>> in a graph
+/// let (first, last) = stage.stats(&out).split();            // a tuple split into two nodes
+/// let graph = dag.compile((first, last), CompileOptions::default())?;
+/// assert_eq!(adag::get_all(graph.execute(vec![1.0, 2.0, 3.0])?)?, (2.0, 6.0));
+/// graph.teardown()?;
+/// assert_eq!(stage.call().check(7)?, 7);                    // a one-off call
+/// assert_eq!(stage.call().fetch(9)?, 9);
+/// # Ok::<(), adag::Error>(())
 /// ```
 ///
 /// # Exported methods

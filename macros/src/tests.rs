@@ -535,6 +535,7 @@ fn docs_cfg_and_deprecated_are_carried_over() {
         "#[doc = r\" Line one.\"] #[doc = r\" Line two.\"] #[doc = \"\"]
          #[doc = \" Binds `A::f` into a graph: returns the node of its result.\"]
          #[cfg(feature = \"x\")] #[deprecated(note = \"use g\")]
+         #[must_use = \"a bound node does nothing unless it is used by a task or is an output of the graph\"]
          pub fn f(&self) -> ::adag::Node<u8>",
     );
     assert_has(

@@ -165,6 +165,7 @@ impl HandleCore {
     }
 
     /// Bind a method into a graph (used by generated code).
+    #[must_use = "a bound node does nothing unless it is used by a task or is an output of the graph"]
     pub fn bind<R: Value>(&self, method: &str, args: Vec<ErasedArg>) -> Node<R> {
         Node::from_inner(method_node(
             self.actor_ref(),
@@ -186,11 +187,28 @@ impl HandleCore {
     }
 
     /// A method by name, for dynamic binding; its types are checked when the graph compiles.
-    pub fn method(&self, name: &str) -> DynMethod {
-        DynMethod {
+    ///
+    /// A name the actor does not export is an [`Error::Compile`] that names it and lists the
+    /// actor's methods.
+    pub fn method(&self, name: &str) -> Result<DynMethod> {
+        let Some(sig) = (self.0.signature)(name) else {
+            let mut names = (self.0.method_names)();
+            names.sort_unstable();
+            return Err(Error::compile(
+                format!("{}.{name}", self.0.name),
+                format!(
+                    "actor {} ({}) has no method `{name}`; its methods are: {}",
+                    self.0.name,
+                    self.0.type_name,
+                    names.join(", ")
+                ),
+            ));
+        };
+        Ok(DynMethod {
             actor: self.clone(),
             name: name.to_string(),
-        }
+            ret: sig.ret,
+        })
     }
 }
 
@@ -198,28 +216,30 @@ impl HandleCore {
 pub struct DynMethod {
     actor: HandleCore,
     name: String,
+    ret: TypeTag,
+}
+
+impl fmt::Debug for DynMethod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DynMethod({}.{})", self.actor.name(), self.name)
+    }
 }
 
 impl DynMethod {
-    /// Bind the method to arguments. Missing methods and mismatched types are reported by
-    /// `compile`, naming the node.
+    /// Bind the method to arguments. Mismatched argument types are reported by `compile`,
+    /// naming the node.
+    #[must_use = "a bound node does nothing unless it is used by a task or is an output of the graph"]
     pub fn bind(&self, args: impl IntoIterator<Item = ErasedArg>) -> AnyNode {
-        let ret = (self.actor.0.signature)(&self.name)
-            .map(|s| s.ret)
-            .unwrap_or(TypeTag::of::<UnknownMethod>());
         AnyNode {
             inner: method_node(
                 self.actor.actor_ref(),
                 &self.name,
                 args.into_iter().collect(),
-                ret,
+                self.ret,
             ),
         }
     }
 }
-
-/// The value type of a node bound to a method that does not exist.
-pub(crate) enum UnknownMethod {}
 
 /// A typed handle of a spawned actor. Derefs to the generated binder, so
 /// `handle.forward(x)` binds `forward` into a graph; `handle.call().forward(x)` calls it once.
@@ -271,7 +291,22 @@ impl<A: Actor> ActorHandle<A> {
     }
 
     /// A method by name, for dynamic binding.
-    pub fn method(&self, name: &str) -> DynMethod {
+    ///
+    /// ```
+    /// # use adag::{Dag, ErasedArg, Placement, Runtime};
+    /// # pub struct W;
+    /// # #[adag::actor]
+    /// # impl W { pub fn new() -> Self { W } pub fn twice(&mut self, x: u64) -> u64 { 2 * x } }
+    /// let rt = Runtime::new()?;
+    /// let w = rt.spawn::<W>(Placement::Thread, ())?;
+    /// let dag = Dag::<u64>::new();
+    /// let y = w.method("twice")?.bind([ErasedArg::from(dag.input().erase())]);
+    /// assert_eq!(y.type_name(), "u64");
+    /// let typo = w.method("twcie").unwrap_err().to_string();
+    /// assert!(typo.contains("twcie") && typo.contains("twice"), "{typo}");
+    /// # Ok::<(), adag::Error>(())
+    /// ```
+    pub fn method(&self, name: &str) -> Result<DynMethod> {
         self.core.method(name)
     }
 
@@ -298,11 +333,13 @@ impl<A: Actor> Deref for ActorHandle<A> {
     }
 }
 
+#[cfg(feature = "async")]
 thread_local! {
     static ACTOR_RUNTIME: std::cell::OnceCell<tokio::runtime::Runtime> = const { std::cell::OnceCell::new() };
 }
 
 /// Run an async method on the calling actor's own single-threaded tokio runtime.
+#[cfg(feature = "async")]
 pub(crate) fn block_on<F: std::future::Future>(f: F) -> F::Output {
     ACTOR_RUNTIME.with(|cell| {
         cell.get_or_init(|| {
@@ -313,4 +350,31 @@ pub(crate) fn block_on<F: std::future::Future>(f: F) -> F::Output {
         })
         .block_on(f)
     })
+}
+
+/// Run an async method to completion on the calling actor's thread, parking the thread while
+/// the future waits (no tokio: its timers and I/O are not available to such methods).
+#[cfg(not(feature = "async"))]
+pub(crate) fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        match f.as_mut().poll(&mut cx) {
+            Poll::Ready(v) => return v,
+            Poll::Pending => std::thread::park(),
+        }
+    }
 }

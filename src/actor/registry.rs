@@ -4,7 +4,7 @@ use super::Actor;
 use super::host::{ErasedHost, Host};
 use crate::value::decode;
 
-/// One registered actor type (emitted by `#[actor]` into [`ACTOR_TYPES`]).
+/// One registered actor type (emitted by `#[actor]` into the link-time list `ACTOR_TYPES`).
 pub struct ActorTypeEntry {
     pub(crate) name: fn() -> &'static str,
     pub(crate) build: BuildHost,

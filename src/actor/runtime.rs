@@ -23,6 +23,7 @@ pub enum Placement {
 
 /// How to spawn an actor, beyond its placement ([`Runtime::spawn_with`]).
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct SpawnOptions {
     /// The actor's name (shown in errors and pictures); `None` = `Type#id`.
     pub name: Option<String>,

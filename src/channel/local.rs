@@ -279,7 +279,7 @@ mod tests {
                         state ^= state << 13;
                         state ^= state >> 7;
                         state ^= state << 17;
-                        if state % 64 == 0 {
+                        if state.is_multiple_of(64) {
                             std::thread::sleep(Duration::from_micros(state % 200));
                         }
                         let deadline = Some(Instant::now() + Duration::from_secs(5));
@@ -292,7 +292,7 @@ mod tests {
                     state ^= state << 13;
                     state ^= state >> 7;
                     state ^= state << 17;
-                    if state % 64 == 0 {
+                    if state.is_multiple_of(64) {
                         std::thread::sleep(Duration::from_micros(state % 200));
                     }
                     let deadline = Some(Instant::now() + Duration::from_secs(5));

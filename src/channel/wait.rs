@@ -104,7 +104,7 @@ impl SpinPolicy {
         self.waits = self.waits.wrapping_add(1);
         let pure_steps = if self.budget.is_zero() {
             0
-        } else if self.waits % PROBE_EVERY == 0 {
+        } else if self.waits.is_multiple_of(PROBE_EVERY) {
             PURE_STEPS
         } else {
             self.pure_steps
@@ -156,7 +156,7 @@ impl Backoff {
             spin(1 << step.min(CHUNK_SHIFT));
             return Step::Spun;
         }
-        if (step - self.pure_steps) % YIELD_EVERY != 0 {
+        if !(step - self.pure_steps).is_multiple_of(YIELD_EVERY) {
             spin(1 << CHUNK_SHIFT);
             return Step::Spun;
         }

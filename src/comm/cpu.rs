@@ -539,7 +539,7 @@ impl Region {
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        assert!(off % 4 == 0 && off + 4 <= self.map.len());
+        assert!(off.is_multiple_of(4) && off + 4 <= self.map.len());
         // SAFETY: the mapping is at least `off + 4` bytes long (checked), page aligned, so
         // `off % 4 == 0` makes the pointer aligned for AtomicU32; it lives as long as `self`;
         // and every access of every process to this word is atomic (the protocol's control
@@ -548,7 +548,7 @@ impl Region {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        assert!(off % 8 == 0 && off + 8 <= self.map.len());
+        assert!(off.is_multiple_of(8) && off + 8 <= self.map.len());
         // SAFETY: as in `u32_at`, with 8-byte alignment.
         unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(off).cast()) }
     }
@@ -749,14 +749,13 @@ impl Region {
             };
             let r = futex::wait(word, futex::Flags::empty(), seen, Some(&ts));
             sleepers.fetch_sub(1, Ordering::SeqCst);
-            if let Err(e) = r {
-                if e != rustix::io::Errno::AGAIN
-                    && e != rustix::io::Errno::TIMEDOUT
-                    && e != rustix::io::Errno::INTR
-                {
-                    // No futex (a seccomp filter, an exotic kernel): poll slowly instead.
-                    std::thread::sleep(slice.min(Duration::from_millis(1)));
-                }
+            if let Err(e) = r
+                && e != rustix::io::Errno::AGAIN
+                && e != rustix::io::Errno::TIMEDOUT
+                && e != rustix::io::Errno::INTR
+            {
+                // No futex (a seccomp filter, an exotic kernel): poll slowly instead.
+                std::thread::sleep(slice.min(Duration::from_millis(1)));
             }
             if ready() {
                 return Ok(());
@@ -983,10 +982,18 @@ impl CpuCommunicator {
     /// Opens `rank` of the group whose region is `fd` (received from the process that made
     /// the group). The descriptor is duplicated; the caller may close its own.
     ///
-    /// ```ignore
-    /// // In a worker process that received the group's fd:
-    /// let comm = CpuCommunicator::open(fd, rank)?;
-    /// let sum = comm.allreduce(&tensor, ReduceOp::Sum)?;
+    /// ```
+    /// use adag::comm::cpu::{CpuCommunicator, CpuGroup};
+    /// use adag::comm::{Communicator, CommunicatorGroup, ReduceOp};
+    /// use adag::Tensor;
+    ///
+    /// // A process that received the group's descriptor (here: the one that made it).
+    /// let group = CpuGroup::create(1, "doc")?;
+    /// let comm = CpuCommunicator::open(group.fds()[0], 0)?;
+    /// let t = Tensor::from_vec(vec![1.0f32, 2.0], [2])?;
+    /// let sum = comm.allreduce(&t, ReduceOp::Sum)?;
+    /// assert_eq!(sum.to_vec::<f32>()?, vec![1.0, 2.0]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn open(fd: impl AsFd, rank: usize) -> Result<CpuCommunicator, CommError> {
         Self::attach(Arc::new(Region::open(fd.as_fd())?), rank)

@@ -621,9 +621,21 @@ pub static COMM_FACTORIES: [fn() -> Arc<dyn CommunicatorFactory>];
 /// [`register_factory`](crate::comm::register_factory)) the first time a graph with
 /// communicators is compiled or installed in each process.
 ///
-/// ```ignore
-/// fn make() -> Arc<dyn adag::comm::CommunicatorFactory> { Arc::new(MyNcclFactory::default()) }
+/// ```
+/// use std::sync::Arc;
+/// use adag::comm::{CommunicatorFactory, cpu::CpuFactory};
+///
+/// // Your own factory here; the CPU one stands in for it.
+/// fn make() -> Arc<dyn CommunicatorFactory> {
+///     Arc::new(CpuFactory::default())
+/// }
 /// adag::communicator_factory!(make);
+///
+/// fn main() {
+///     // Registered in this process (and in every worker) before the first graph needs it.
+///     let linked = adag::__private::COMM_FACTORIES.iter().any(|f| f().transport_name() == "cpu");
+///     assert!(linked);
+/// }
 /// ```
 #[macro_export]
 macro_rules! communicator_factory {
@@ -794,7 +806,7 @@ pub fn reduce_bytes(
     if let Some(i) = inputs.iter().find(|i| i.len() != out.len()) {
         return Err(bad_len(i.len()));
     }
-    if out_len % dtype.size() != 0 {
+    if !out_len.is_multiple_of(dtype.size()) {
         return Err(bad_len(out_len));
     }
     let n = inputs.len();

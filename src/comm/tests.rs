@@ -111,7 +111,7 @@ impl TestElem for i64 {
 /// Small integers (exact in every dtype, products included), signs mixed.
 fn value(rank: usize, i: usize) -> f64 {
     let v = (rank as f64 + 1.0) * ((i % 3) as f64 + 1.0);
-    if i % 2 == 0 { v } else { -v }
+    if i.is_multiple_of(2) { v } else { -v }
 }
 
 fn expected(op: ReduceOp, world: usize, i: usize, int: bool) -> f64 {

@@ -46,6 +46,7 @@ impl std::fmt::Debug for DefaultCommunicator {
 /// assert_eq!(opts.buffer_size_bytes, 1_000_000);
 /// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct CompileOptions {
     /// Longest time `execute` may block for room in an input channel (default 10 s).
     /// `Duration::ZERO` fails at once; `Duration::MAX` waits for ever.

@@ -191,11 +191,13 @@ fn bind(
 /// Reduce the tensors of `inputs` (one node per distinct actor) element-wise with `op`; each
 /// actor gets the whole result, as the output node at its input's position. The communicator
 /// is the compile options' default.
+#[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
 pub fn allreduce(inputs: &[Node<Tensor>], op: ReduceOp) -> Vec<Node<Tensor>> {
     bind(inputs, CollectiveKind::AllReduce(op), None)
 }
 
 /// [`allreduce`] through this communicator, whose actors must be exactly those of `inputs`.
+#[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
 pub fn allreduce_with(
     inputs: &[Node<Tensor>],
     op: ReduceOp,
@@ -206,22 +208,26 @@ pub fn allreduce_with(
 
 /// Concatenate the tensors of `inputs` along dimension 0 in input order (a 0-dimensional
 /// tensor counts as one element); each actor gets the whole result.
+#[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
 pub fn allgather(inputs: &[Node<Tensor>]) -> Vec<Node<Tensor>> {
     bind(inputs, CollectiveKind::AllGather, None)
 }
 
 /// [`allgather`] through this communicator.
+#[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
 pub fn allgather_with(inputs: &[Node<Tensor>], comm: CustomCommunicator) -> Vec<Node<Tensor>> {
     bind(inputs, CollectiveKind::AllGather, Some(comm))
 }
 
 /// Reduce the tensors of `inputs` with `op` and give the `i`-th input's actor the `i`-th of
 /// `n` equal parts along dimension 0 (which must divide by `n`).
+#[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
 pub fn reducescatter(inputs: &[Node<Tensor>], op: ReduceOp) -> Vec<Node<Tensor>> {
     bind(inputs, CollectiveKind::ReduceScatter(op), None)
 }
 
 /// [`reducescatter`] through this communicator.
+#[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
 pub fn reducescatter_with(
     inputs: &[Node<Tensor>],
     op: ReduceOp,

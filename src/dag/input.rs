@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 /// The input of a graph: a node holding the whole value given to `execute`, with accessors
 /// for its parts. Each part used by the graph gets its own input channel.
+#[must_use = "the input node does nothing unless it (or a part of it) is bound into a task"]
 pub struct InputNode<I> {
     pub(crate) node: Node<I>,
 }
@@ -59,6 +60,12 @@ tuple_arg!([A, B, C]; 0 => A, 1 => B, 2 => C);
 tuple_arg!([A, B, C, D]; 0 => A, 1 => B, 2 => C, 3 => D);
 tuple_arg!([A, B, C, D, E]; 0 => A, 1 => B, 2 => C, 3 => D, 4 => E);
 tuple_arg!([A, B, C, D, E, F]; 0 => A, 1 => B, 2 => C, 3 => D, 4 => E, 5 => F);
+tuple_arg!([A, B, C, D, E, F, G]; 0 => A, 1 => B, 2 => C, 3 => D, 4 => E, 5 => F, 6 => G);
+tuple_arg!([A, B, C, D, E, F, G, H]; 0 => A, 1 => B, 2 => C, 3 => D, 4 => E, 5 => F, 6 => G, 7 => H);
+tuple_arg!([A, B, C, D, E, F, G, H, J]; 0 => A, 1 => B, 2 => C, 3 => D, 4 => E, 5 => F, 6 => G, 7 => H, 8 => J);
+tuple_arg!([A, B, C, D, E, F, G, H, J, K]; 0 => A, 1 => B, 2 => C, 3 => D, 4 => E, 5 => F, 6 => G, 7 => H, 8 => J, 9 => K);
+tuple_arg!([A, B, C, D, E, F, G, H, J, K, L]; 0 => A, 1 => B, 2 => C, 3 => D, 4 => E, 5 => F, 6 => G, 7 => H, 8 => J, 9 => K, 10 => L);
+tuple_arg!([A, B, C, D, E, F, G, H, J, K, L, M]; 0 => A, 1 => B, 2 => C, 3 => D, 4 => E, 5 => F, 6 => G, 7 => H, 8 => J, 9 => K, 10 => L, 11 => M);
 
 impl<I: Value> InputNode<I> {
     pub(crate) fn new(node: Node<I>) -> Self {

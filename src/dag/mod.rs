@@ -415,6 +415,7 @@ macro_rules! impl_split {
     ($n:literal => $($t:ident $i:tt),+) => {
         impl<$($t: Value),+> Node<($($t,)+)> {
             /// Split a tuple result into one node per element (Ray's `num_returns`).
+            #[must_use = "the nodes do nothing unless they are bound into tasks or are outputs"]
             pub fn split(&self) -> ($(Node<$t>,)+) {
                 ($(Node::from_inner(NodeInner::with_foreign(
                     self.inner.dag.clone(),

@@ -13,6 +13,7 @@ use std::time::Instant;
 impl<I: Value> InputNode<I> {
     /// Positional part `N` of a tuple input (Ray's `inp[N]`): `execute((a, b))` sends `a` to
     /// the readers of `arg::<0>()` and `b` to those of `arg::<1>()`.
+    #[must_use = "an input part does nothing unless it is bound into a task"]
     pub fn arg<const N: usize>(&self) -> Node<<I as TupleArg<N>>::Out>
     where
         I: TupleArg<N>,
@@ -22,12 +23,85 @@ impl<I: Value> InputNode<I> {
 
     /// Named part of the input (Ray's `inp.key`): `access` picks the field out of the input.
     /// The same `name` returns the same node.
+    #[must_use = "an input part does nothing unless it is bound into a task"]
     pub fn field<T: Value>(
         &self,
         name: &str,
         access: impl Fn(&I) -> T + Send + Sync + 'static,
     ) -> Node<T> {
         self.part(InputKind::Field(name.to_string()), || feed(access))
+    }
+}
+
+/// An input whose parts are reached by position: a `Vec` or an array.
+pub trait IndexedInput: Value {
+    /// The element type.
+    type Elem: Value;
+    /// How many elements this input has.
+    fn count(&self) -> usize;
+    /// Element `index` (below [`count`](IndexedInput::count)).
+    fn at(&self, index: usize) -> &Self::Elem;
+}
+
+impl<T: Value> IndexedInput for Vec<T> {
+    type Elem = T;
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn at(&self, index: usize) -> &T {
+        &self[index]
+    }
+}
+
+impl<T: Value, const N: usize> IndexedInput for [T; N]
+where
+    [T; N]: Value,
+{
+    type Elem = T;
+    fn count(&self) -> usize {
+        N
+    }
+    fn at(&self, index: usize) -> &T {
+        &self[index]
+    }
+}
+
+impl<I: IndexedInput> InputNode<I> {
+    /// Element `index` of a `Vec` or array input (Ray's `inp[i]` on a list): only that element
+    /// is cloned for its readers, not the whole input. An execution whose input has no element
+    /// `index` is refused with [`Error::Input`] before anything of it is sent.
+    ///
+    /// ```
+    /// use adag::{CompileOptions, Dag, Error, Placement, Runtime};
+    /// # pub struct Sum;
+    /// # #[adag::actor]
+    /// # impl Sum { pub fn new() -> Self { Sum } pub fn add(&mut self, a: u64, b: u64) -> u64 { a + b } }
+    /// let rt = Runtime::new()?;
+    /// let s = rt.spawn::<Sum>(Placement::Thread, ())?;
+    /// let dag = Dag::<Vec<u64>>::new();
+    /// let input = dag.input();
+    /// let graph = dag.compile(s.add(input.index(0), input.index(11)), CompileOptions::default())?;
+    /// assert_eq!(graph.execute((0..12).collect())?.get()?, 11);
+    /// assert!(matches!(graph.execute(vec![1, 2]), Err(Error::Input { .. })));
+    /// # Ok::<(), adag::Error>(())
+    /// ```
+    #[must_use = "an input part does nothing unless it is bound into a task"]
+    pub fn index(&self, index: usize) -> Node<I::Elem> {
+        self.part(InputKind::Index(index), || {
+            let feed: Arc<dyn InputFeed<I>> = Arc::new(Feed::<I, I::Elem> {
+                access: Arc::new(move |i: &I| i.at(index).clone()),
+                check: Some(Arc::new(move |i: &I| {
+                    (index < i.count()).then_some(()).ok_or_else(|| {
+                        format!(
+                            "the graph reads element {index}, but this input has {} elements; pass at least {}",
+                            i.count(),
+                            index + 1
+                        )
+                    })
+                })),
+            });
+            Box::new(feed) as Box<dyn Any + Send + Sync>
+        })
     }
 }
 
@@ -39,15 +113,29 @@ trait InputFeed<I>: Send + Sync {
 
 /// Writes one part of each execution's input.
 pub(crate) trait Feeder<I>: Send {
+    /// Whether this input has the part at all (checked for every part before any is sent, so
+    /// that a refused input leaves the channels in step).
+    fn check(&self, _input: &I) -> std::result::Result<(), String> {
+        Ok(())
+    }
     fn feed(&mut self, input: &I, deadline: Option<Instant>) -> Result<(), ChanError>;
 }
 
-struct Feed<I, T>(Arc<dyn Fn(&I) -> T + Send + Sync>);
+type Access<I, T> = Arc<dyn Fn(&I) -> T + Send + Sync>;
+type Check<I> = Arc<dyn Fn(&I) -> std::result::Result<(), String> + Send + Sync>;
+
+struct Feed<I, T> {
+    access: Access<I, T>,
+    check: Option<Check<I>>,
+}
 
 fn feed<I: Value, T: Value>(
     f: impl Fn(&I) -> T + Send + Sync + 'static,
 ) -> Box<dyn Any + Send + Sync> {
-    let feed: Arc<dyn InputFeed<I>> = Arc::new(Feed::<I, T>(Arc::new(f)));
+    let feed: Arc<dyn InputFeed<I>> = Arc::new(Feed::<I, T> {
+        access: Arc::new(f),
+        check: None,
+    });
     Box::new(feed)
 }
 
@@ -55,18 +143,24 @@ impl<I: Value, T: Value> InputFeed<I> for Feed<I, T> {
     fn feeder(&self, io: &DriverIo, plan: &GraphPlan, edge: u64) -> Result<Box<dyn Feeder<I>>> {
         let writer = io.writer::<T>(plan, edge)?;
         Ok(Box::new(PartFeeder {
-            access: self.0.clone(),
+            access: self.access.clone(),
+            check: self.check.clone(),
             writer,
         }))
     }
 }
 
 struct PartFeeder<I, T> {
-    access: Arc<dyn Fn(&I) -> T + Send + Sync>,
+    access: Access<I, T>,
+    check: Option<Check<I>>,
     writer: FanOut<T>,
 }
 
 impl<I: Value, T: Value> Feeder<I> for PartFeeder<I, T> {
+    fn check(&self, input: &I) -> std::result::Result<(), String> {
+        self.check.as_ref().map_or(Ok(()), |check| check(input))
+    }
+
     fn feed(&mut self, input: &I, deadline: Option<Instant>) -> Result<(), ChanError> {
         self.writer
             .write(Msg::Value((self.access)(input)), deadline)

@@ -28,6 +28,7 @@ pub(crate) mod viz;
 use comms::CommSetup;
 pub use comms::CommunicatorInfo;
 use input::Feeder;
+pub use input::IndexedInput;
 pub use output::IntoOutputs;
 use output::OutputReader;
 #[doc(hidden)]
@@ -107,6 +108,8 @@ pub(crate) struct GraphShared<I> {
     chans: Arc<GraphChannels>,
     actors: Vec<HandleCore>,
     output_labels: Vec<String>,
+    /// The input parts in feeder order, as errors name them.
+    input_labels: Vec<String>,
     submit: Mutex<SubmitState<I>>,
     reader: Mutex<ReadState>,
     results: Mutex<ResultState>,
@@ -339,6 +342,7 @@ fn start<I: Value>(
         }
     }
     let output_labels = specs.iter().map(|s| s.node.describe()).collect();
+    let input_labels = plan.inputs.iter().map(|e| nodes[e].describe()).collect();
     let mut dot = viz::dot(&plan, &nodes);
     if !comms.groups.is_empty() && dot.ends_with("}\n") {
         dot.truncate(dot.len() - 2);
@@ -365,6 +369,7 @@ fn start<I: Value>(
         chans,
         actors,
         output_labels,
+        input_labels,
         torn: AtomicBool::new(false),
         torn_reason: Mutex::new(None),
         death: Mutex::new(None),
@@ -570,6 +575,12 @@ impl<I: Value> GraphShared<I> {
             });
         }
         let exec = self.next_exec.load(Ordering::Acquire);
+        for (feeder, part) in sub.feeders.iter().zip(&self.input_labels) {
+            feeder.check(input).map_err(|message| Error::Input {
+                part: part.clone(),
+                message,
+            })?;
+        }
         let mut result = Ok(());
         let mut written = 0;
         for feeder in sub.feeders.iter_mut() {

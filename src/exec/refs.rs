@@ -41,6 +41,7 @@ impl Drop for RefInner {
 ///
 /// `get` consumes the ref; clones share one result, so a second `get` through a clone is
 /// [`Error::AlreadyClaimed`]. Dropping every clone unclaimed frees the result's place.
+#[must_use = "a ref holds its execution's result until claimed (get, await) or dropped"]
 pub struct CompiledRef<T> {
     inner: Arc<RefInner>,
     _t: PhantomData<fn() -> T>,
