@@ -6,6 +6,7 @@
 pub mod actor;
 mod buffer;
 mod channel;
+pub mod cluster;
 pub mod comm;
 pub mod compile;
 pub mod dag;

@@ -5,8 +5,9 @@
 //!
 //! Layers, from the bottom: values and errors (`value`, `buffer`, `tensor`, `error`, with the
 //! loom switch `sync`) → communicators (`comm`, a service beside the values) → graph
-//! description (`dag`) → compilation (`compile`) → runtime (`channel`, `actor`) → driver
-//! (`exec`). Inside the runtime, `channel` knows nothing of graphs: it imports values only.
+//! description (`dag`) → compilation (`compile`) → runtime (`channel`, `cluster`, `actor`) →
+//! driver (`exec`). Inside the runtime, `channel` and `cluster` know nothing of graphs: they
+//! import values only.
 //!
 //! Unit tests (`*tests.rs` files and `#[cfg(test)] mod` blocks) are not read: a test of a
 //! lower layer may build its inputs with a higher one.
@@ -26,12 +27,14 @@ fn allowed(module: &str) -> Option<&'static [&'static str]> {
         "dag" => &["sync", "value", "buffer", "tensor", "error", "comm"],
         "compile" => &["sync", "value", "buffer", "tensor", "error", "comm", "dag"],
         "channel" => VALUES,
+        "cluster" => VALUES,
         "actor" => &[
             "sync", "value", "buffer", "tensor", "error", "comm", "dag", "compile", "channel",
+            "cluster",
         ],
         "exec" => &[
             "sync", "value", "buffer", "tensor", "error", "comm", "dag", "compile", "channel",
-            "actor",
+            "cluster", "actor",
         ],
         // The crate root re-exports everything.
         "lib" => return None,

@@ -3,13 +3,17 @@ use super::host::{ActorLink, Control, ThreadLink, host_loop};
 use super::method::panic_text;
 use super::worker::ProcessLink;
 use super::{Actor, ActorHandle, ActorShared, HandleCore, next_actor_id};
+use crate::cluster::driver::ClusterDriver;
+use crate::cluster::{ClusterOptions, HostInfo};
 use crate::dag::MethodSig;
 use crate::error::{Error, Result};
 use crate::tensor::Device;
 use crate::value::encode;
 use parking_lot::Mutex;
+use std::net::SocketAddr;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Where an actor lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -64,7 +68,8 @@ impl SpawnOptions {
 /// ```
 #[derive(Clone, Default)]
 pub struct Runtime {
-    _inner: Arc<()>,
+    /// The listener for other hosts, once [`Runtime::listen`] was called.
+    cluster: Arc<Mutex<Option<Arc<ClusterDriver>>>>,
 }
 
 fn signature<A: Actor>(name: &str) -> Option<MethodSig> {
@@ -84,6 +89,46 @@ impl Runtime {
     pub fn new() -> Result<Self> {
         super::worker::maybe_run_worker();
         Ok(Runtime::default())
+    }
+
+    /// Listen for hosts joining this driver (see [`cluster`](crate::cluster)); returns the
+    /// address they join (`ADAG_JOIN`). Hosts stay joined while this runtime (any clone of
+    /// it) lives; when it is dropped, every agent is told to leave.
+    pub fn listen(&self, options: ClusterOptions) -> Result<SocketAddr> {
+        let mut cluster = self.cluster.lock();
+        if let Some(c) = cluster.as_ref() {
+            return Err(Error::io(
+                format!("listening on {}", options.addr),
+                format!(
+                    "this runtime already listens on {}; one listener per driver",
+                    c.addr()
+                ),
+            ));
+        }
+        let driver = ClusterDriver::start(options)?;
+        let addr = driver.addr();
+        *cluster = Some(driver);
+        Ok(addr)
+    }
+
+    /// The hosts that joined and are alive, in joining order (none before [`listen`](Self::listen)).
+    pub fn hosts(&self) -> Vec<HostInfo> {
+        self.cluster
+            .lock()
+            .as_ref()
+            .map(|c| c.hosts())
+            .unwrap_or_default()
+    }
+
+    /// Wait until `n` hosts have joined, up to `timeout`.
+    pub fn wait_for_hosts(&self, n: usize, timeout: Duration) -> Result<Vec<HostInfo>> {
+        let Some(cluster) = self.cluster.lock().clone() else {
+            return Err(Error::io(
+                "waiting for hosts",
+                "this runtime does not listen for hosts; call Runtime::listen first",
+            ));
+        };
+        cluster.wait_for_hosts(n, timeout)
     }
 
     /// Spawn an actor of type `A` built from `init` (the arguments of its `new`).

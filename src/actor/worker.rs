@@ -631,4 +631,5 @@ fn keep_freed_memory() {
 #[ctor::ctor(unsafe)]
 fn adag_worker_hook() {
     maybe_run_worker();
+    crate::cluster::agent::maybe_run_agent();
 }

@@ -1,0 +1,284 @@
+//! The protocol between a driver and the agents of other hosts: an authenticated handshake,
+//! then length-prefixed postcard frames over one TCP connection (`TCP_NODELAY`).
+//!
+//! # Handshake (mutual challenge–response; the secret never crosses the wire)
+//!
+//! ```text
+//! agent  → driver   MAGIC (8) | version (u32 LE) | nonce_a (32)
+//! driver → agent    nonce_b (32) | HMAC-SHA256(secret, "adag-join driver" | nonce_a | nonce_b)
+//! agent  → driver   HMAC-SHA256(secret, "adag-join agent" | nonce_a | nonce_b)
+//! agent  → driver   frame: Hello { name, cores, pid }
+//! driver → agent    frame: Welcome { host, heartbeat } or Refused { reason }
+//! ```
+//!
+//! The agent checks the driver's proof before it proves anything itself (a process that
+//! does not know the secret learns nothing it can replay: both nonces are fresh). A connection
+//! whose first bytes are not the magic, or that does not finish the handshake within
+//! [`HANDSHAKE_TIMEOUT`], is dropped. Frames longer than [`MAX_FRAME`] are refused without
+//! being read.
+use hmac::{Hmac, KeyInit, Mac};
+use serde::{Deserialize, Serialize};
+use sha2::Sha256;
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+/// The first bytes of every join.
+pub(crate) const MAGIC: &[u8; 8] = b"adagjoin";
+/// The protocol's version; a different one is refused with a message naming both.
+pub(crate) const VERSION: u32 = 1;
+/// How long each side waits for the other's part of the handshake.
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The largest frame either side reads: control messages are small.
+pub(crate) const MAX_FRAME: usize = 1 << 20;
+
+const NONCE: usize = 32;
+const PROOF: usize = 32;
+
+/// The agent's first message after the handshake.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Hello {
+    pub name: String,
+    pub cores: usize,
+    pub pid: u32,
+}
+
+/// Messages from the driver.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum ToAgent {
+    /// Joined as host `host`; send a heartbeat every `interval_ms`, and leave when nothing
+    /// came from the driver for `timeout_ms`.
+    Welcome {
+        host: u64,
+        interval_ms: u64,
+        timeout_ms: u64,
+    },
+    Refused {
+        reason: String,
+    },
+    Heartbeat,
+    /// The driver is going away: exit with everything started here.
+    Shutdown,
+}
+
+/// Messages from an agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum ToDriver {
+    Heartbeat,
+}
+
+/// Why a handshake or a frame failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum WireError {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("the peer does not speak the adag join protocol (first bytes {0:02x?})")]
+    NotAdag(Vec<u8>),
+    #[error(
+        "the peer speaks version {theirs} of the join protocol, this process {VERSION}; run the same executable on every host"
+    )]
+    Version { theirs: u32 },
+    #[error("authentication failed: {0}")]
+    Auth(&'static str),
+    #[error("a frame of {0} bytes, over the limit of {MAX_FRAME}")]
+    TooLarge(usize),
+    #[error("a frame that does not decode: {0}")]
+    Decode(String),
+    #[error("no random numbers for the handshake: {0}")]
+    Random(String),
+}
+
+type HmacSha256 = Hmac<Sha256>;
+
+fn proof(secret: &[u8], role: &[u8], nonce_a: &[u8], nonce_b: &[u8]) -> HmacSha256 {
+    let mut mac =
+        <HmacSha256 as KeyInit>::new_from_slice(secret).expect("HMAC takes a key of any length");
+    mac.update(b"adag-join ");
+    mac.update(role);
+    mac.update(nonce_a);
+    mac.update(nonce_b);
+    mac
+}
+
+fn nonce() -> Result<[u8; NONCE], WireError> {
+    let mut n = [0u8; NONCE];
+    getrandom::fill(&mut n).map_err(|e| WireError::Random(e.to_string()))?;
+    Ok(n)
+}
+
+/// The agent's side of the handshake: proves it knows `secret` only after the driver did.
+pub(crate) fn agent_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<(), WireError> {
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let nonce_a = nonce()?;
+    let mut hello = Vec::with_capacity(MAGIC.len() + 4 + NONCE);
+    hello.extend_from_slice(MAGIC);
+    hello.extend_from_slice(&VERSION.to_le_bytes());
+    hello.extend_from_slice(&nonce_a);
+    stream.write_all(&hello)?;
+    let mut reply = [0u8; NONCE + PROOF];
+    stream.read_exact(&mut reply)?;
+    let (nonce_b, driver_proof) = reply.split_at(NONCE);
+    proof(secret, b"driver", &nonce_a, nonce_b)
+        .verify_slice(driver_proof)
+        .map_err(|_| {
+            WireError::Auth(
+                "the driver did not prove it knows the secret: ADAG_TOKEN differs between this host and the driver",
+            )
+        })?;
+    let mine = proof(secret, b"agent", &nonce_a, nonce_b)
+        .finalize()
+        .into_bytes();
+    stream.write_all(&mine)?;
+    Ok(())
+}
+
+/// The driver's side of the handshake: checks the magic, the version and the agent's proof.
+pub(crate) fn driver_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<(), WireError> {
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let mut hello = [0u8; 8 + 4 + NONCE];
+    // The magic first, on its own: a stranger is dropped after 8 bytes.
+    stream.read_exact(&mut hello[..MAGIC.len()])?;
+    if &hello[..MAGIC.len()] != MAGIC {
+        return Err(WireError::NotAdag(hello[..MAGIC.len()].to_vec()));
+    }
+    stream.read_exact(&mut hello[MAGIC.len()..])?;
+    let theirs = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes"));
+    if theirs != VERSION {
+        return Err(WireError::Version { theirs });
+    }
+    let nonce_a = &hello[12..];
+    let nonce_b = nonce()?;
+    let mine = proof(secret, b"driver", nonce_a, &nonce_b)
+        .finalize()
+        .into_bytes();
+    let mut reply = Vec::with_capacity(NONCE + PROOF);
+    reply.extend_from_slice(&nonce_b);
+    reply.extend_from_slice(&mine);
+    stream.write_all(&reply)?;
+    let mut agent_proof = [0u8; PROOF];
+    stream.read_exact(&mut agent_proof)?;
+    proof(secret, b"agent", nonce_a, &nonce_b)
+        .verify_slice(&agent_proof)
+        .map_err(|_| WireError::Auth("the agent did not prove it knows the secret"))
+}
+
+/// Writes one frame: its length (u32 LE), then the message in postcard.
+pub(crate) fn write_frame<T: Serialize>(stream: &mut impl Write, msg: &T) -> Result<(), WireError> {
+    let body = postcard::to_stdvec(msg).map_err(|e| WireError::Decode(e.to_string()))?;
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&body);
+    stream.write_all(&frame)?;
+    Ok(())
+}
+
+/// Reads one frame; a length over [`MAX_FRAME`] is refused before anything is allocated.
+pub(crate) fn read_frame<T: for<'de> Deserialize<'de>>(
+    stream: &mut impl Read,
+) -> Result<T, WireError> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(WireError::TooLarge(len));
+    }
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body)?;
+    postcard::from_bytes(&body).map_err(|e| WireError::Decode(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::net::TcpListener;
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (b, _) = listener.accept().unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn the_same_secret_joins_and_a_different_one_is_refused_on_both_sides() {
+        for (agent_secret, ok) in [(&b"s3cret"[..], true), (&b"guess"[..], false)] {
+            let (mut agent, mut driver) = pair();
+            let d = std::thread::spawn(move || driver_handshake(&mut driver, b"s3cret"));
+            let a = agent_handshake(&mut agent, agent_secret);
+            drop(agent);
+            let d = d.join().unwrap();
+            assert_eq!(a.is_ok(), ok, "{a:?}");
+            assert_eq!(d.is_ok(), ok, "{d:?}");
+            if !ok {
+                assert!(matches!(a, Err(WireError::Auth(_))), "{a:?}");
+            }
+        }
+    }
+
+    /// What the driver sends never contains the secret, whatever the agent sends it.
+    #[test]
+    fn the_secret_never_crosses_the_wire() {
+        let secret = b"a-secret-long-enough-to-find";
+        let (mut agent, mut driver) = pair();
+        let d = std::thread::spawn(move || driver_handshake(&mut driver, secret));
+        let mut hello = MAGIC.to_vec();
+        hello.extend_from_slice(&VERSION.to_le_bytes());
+        hello.extend_from_slice(&[7u8; NONCE]);
+        agent.write_all(&hello).unwrap();
+        let mut reply = [0u8; NONCE + PROOF];
+        agent.read_exact(&mut reply).unwrap();
+        assert!(!reply.windows(secret.len()).any(|w| w == secret));
+        agent.write_all(&[0u8; PROOF]).unwrap();
+        assert!(matches!(d.join().unwrap(), Err(WireError::Auth(_))));
+    }
+
+    #[test]
+    fn strangers_and_other_versions_are_dropped() {
+        let (mut agent, mut driver) = pair();
+        let d = std::thread::spawn(move || driver_handshake(&mut driver, b"x"));
+        agent.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        assert!(matches!(d.join().unwrap(), Err(WireError::NotAdag(_))));
+
+        let (mut agent, mut driver) = pair();
+        let d = std::thread::spawn(move || driver_handshake(&mut driver, b"x"));
+        let mut hello = MAGIC.to_vec();
+        hello.extend_from_slice(&9u32.to_le_bytes());
+        hello.extend_from_slice(&[0u8; NONCE]);
+        agent.write_all(&hello).unwrap();
+        assert!(matches!(
+            d.join().unwrap(),
+            Err(WireError::Version { theirs: 9 })
+        ));
+    }
+
+    #[test]
+    fn frames_round_trip_and_oversized_ones_are_refused_unread() {
+        let mut buf = Vec::new();
+        let msg = ToAgent::Welcome {
+            host: 3,
+            interval_ms: 100,
+            timeout_ms: 1000,
+        };
+        write_frame(&mut buf, &msg).unwrap();
+        assert_eq!(read_frame::<ToAgent>(&mut &buf[..]).unwrap(), msg);
+        let huge = ((MAX_FRAME + 1) as u32).to_le_bytes();
+        assert!(matches!(
+            read_frame::<ToAgent>(&mut &huge[..]),
+            Err(WireError::TooLarge(_))
+        ));
+    }
+
+    proptest! {
+        /// Random bytes read as frames: a typed error or a message, never a panic, and never
+        /// an allocation past the limit.
+        #[test]
+        fn random_frames_are_typed_errors(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = read_frame::<ToAgent>(&mut &bytes[..]);
+            let _ = read_frame::<ToDriver>(&mut &bytes[..]);
+            let _ = read_frame::<Hello>(&mut &bytes[..]);
+        }
+    }
+}

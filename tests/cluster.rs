@@ -1,0 +1,237 @@
+//! Hosts joining a driver (the first part of graphs across hosts): hosts are separate process
+//! trees on this machine, started with this test executable and `ADAG_JOIN`/`ADAG_TOKEN`;
+//! all traffic stays on loopback, and every wait is bounded.
+use adag::Runtime;
+use adag::cluster::{ClusterOptions, EXIT_JOIN_FAILED, LocalHosts};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+const SECRET: &str = "test-secret-4b1d";
+const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn options() -> ClusterOptions {
+    ClusterOptions::new(SECRET)
+        .heartbeat_interval(Duration::from_millis(100))
+        .heartbeat_timeout(Duration::from_secs(2))
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie is not alive: read its state.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !s.rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+        .unwrap_or(false)
+}
+
+/// Waits (bounded) until `cond` holds.
+fn eventually(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn three_hosts_join_and_are_listed() {
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(options()).unwrap();
+    assert!(
+        addr.ip().is_loopback(),
+        "listens on loopback by default: {addr}"
+    );
+    let hosts = LocalHosts::start(3, addr, SECRET).unwrap();
+    let joined = rt.wait_for_hosts(3, JOIN_TIMEOUT).unwrap();
+    assert_eq!(joined.len(), 3);
+    let mut names: Vec<&str> = joined.iter().map(|h| h.name.as_str()).collect();
+    names.sort();
+    assert_eq!(names, ["local-0", "local-1", "local-2"]);
+    let mut ids: Vec<u64> = joined.iter().map(|h| h.id).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 3, "distinct host ids: {joined:?}");
+    assert!(ids.iter().all(|id| *id > 0), "0 is the driver's host");
+    let mut pids: Vec<u32> = joined.iter().map(|h| h.pid).collect();
+    pids.sort();
+    let mut started = hosts.pids();
+    started.sort();
+    assert_eq!(pids, started, "the agents are the processes started");
+    for h in &joined {
+        assert!(h.address.ip().is_loopback() && h.cores >= 1, "{h:?}");
+    }
+    assert_eq!(rt.hosts(), joined);
+    // A second listener on one runtime is refused.
+    assert!(rt.listen(options()).is_err());
+}
+
+#[test]
+fn waiting_for_more_hosts_than_join_times_out_naming_the_address() {
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(options()).unwrap();
+    let _hosts = LocalHosts::start(1, addr, SECRET).unwrap();
+    let err = rt
+        .wait_for_hosts(2, Duration::from_secs(3))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&addr.to_string()) && err.contains("ADAG_JOIN"),
+        "{err}"
+    );
+    assert_eq!(rt.hosts().len(), 1);
+}
+
+#[test]
+fn a_wrong_secret_is_refused_and_the_agent_exits() {
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(options()).unwrap();
+    let mut hosts = LocalHosts::start(1, addr, "not-the-secret").unwrap();
+    assert_eq!(hosts.wait(0).unwrap(), Some(EXIT_JOIN_FAILED));
+    assert!(rt.hosts().is_empty());
+    // The listener is still there for the right secret.
+    let _ok = LocalHosts::start(1, addr, SECRET).unwrap();
+    assert_eq!(rt.wait_for_hosts(1, JOIN_TIMEOUT).unwrap().len(), 1);
+}
+
+#[test]
+fn random_bytes_at_the_port_are_dropped_and_real_hosts_still_join() {
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(options()).unwrap();
+    let mut state = 0x243f_6a88_85a3_08d3_u64;
+    for round in 0..20 {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let junk: Vec<u8> = (0..64 + round * 13)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u8
+            })
+            .collect();
+        let _ = s.write_all(&junk);
+        // The driver closes the connection (or resets it): a read ends, it does not hang.
+        let mut buf = [0u8; 64];
+        let r = s.read(&mut buf);
+        assert!(matches!(r, Ok(0) | Err(_)), "round {round}: {r:?}");
+    }
+    // A silent connection is dropped after the handshake timeout, too.
+    let mut silent = TcpStream::connect(addr).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut buf = [0u8; 8];
+    assert!(matches!(silent.read(&mut buf), Ok(0) | Err(_)));
+    let _hosts = LocalHosts::start(2, addr, SECRET).unwrap();
+    assert_eq!(rt.wait_for_hosts(2, JOIN_TIMEOUT).unwrap().len(), 2);
+    assert!(rt.hosts().iter().all(|h| h.name.starts_with("local-")));
+}
+
+#[test]
+fn agents_leave_when_the_driver_goes() {
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(options()).unwrap();
+    let mut hosts = LocalHosts::start(2, addr, SECRET).unwrap();
+    rt.wait_for_hosts(2, JOIN_TIMEOUT).unwrap();
+    let pids = hosts.pids();
+    drop(rt);
+    for (i, pid) in pids.iter().enumerate() {
+        assert_eq!(hosts.wait(i).unwrap(), Some(0), "agent {pid} left cleanly");
+        assert!(!alive(*pid));
+    }
+}
+
+#[test]
+fn a_killed_host_is_lost_and_the_others_stay() {
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(options()).unwrap();
+    let mut hosts = LocalHosts::start(2, addr, SECRET).unwrap();
+    let joined = rt.wait_for_hosts(2, JOIN_TIMEOUT).unwrap();
+    let victim = joined.iter().find(|h| h.name == "local-0").unwrap().id;
+    hosts.kill(0).unwrap();
+    eventually(
+        "the killed host to be lost",
+        Duration::from_secs(10),
+        || rt.hosts().iter().all(|h| h.id != victim),
+    );
+    assert_eq!(rt.hosts().len(), 1);
+    assert_eq!(rt.hosts()[0].name, "local-1");
+}
+
+/// A listener that does not know the secret: the agent refuses to trust it and exits with
+/// the join failure code.
+#[test]
+fn an_agent_refuses_a_driver_without_the_secret() {
+    use std::net::TcpListener;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut hosts = LocalHosts::start(1, addr, SECRET).unwrap();
+    let (mut s, _) = listener.accept().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut hello = [0u8; 44];
+    s.read_exact(&mut hello).unwrap();
+    assert_eq!(&hello[..8], b"adagjoin");
+    s.write_all(&[0u8; 64]).unwrap();
+    assert_eq!(hosts.wait(0).unwrap(), Some(EXIT_JOIN_FAILED));
+}
+
+/// The driver's messages, as the protocol encodes them (a mirror of the library's own).
+#[derive(serde::Serialize)]
+enum ToAgent {
+    Welcome {
+        host: u64,
+        interval_ms: u64,
+        timeout_ms: u64,
+    },
+}
+
+/// A driver that completes the handshake and then falls silent: the agent leaves after the
+/// heartbeat timeout it was given, instead of waiting for ever.
+#[test]
+fn an_agent_leaves_a_silent_driver() {
+    use hmac::{Hmac, KeyInit, Mac};
+    use std::net::TcpListener;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut hosts = LocalHosts::start(1, addr, SECRET).unwrap();
+    let (mut s, _) = listener.accept().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut hello = [0u8; 44];
+    s.read_exact(&mut hello).unwrap();
+    let nonce_a = &hello[12..];
+    let nonce_b = [9u8; 32];
+    let mut mac = <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(SECRET.as_bytes()).unwrap();
+    mac.update(b"adag-join driver");
+    mac.update(nonce_a);
+    mac.update(&nonce_b);
+    s.write_all(&nonce_b).unwrap();
+    s.write_all(&mac.finalize().into_bytes()).unwrap();
+    let mut proof = [0u8; 32];
+    s.read_exact(&mut proof).unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).unwrap();
+    let welcome = postcard::to_stdvec(&ToAgent::Welcome {
+        host: 1,
+        interval_ms: 100,
+        timeout_ms: 500,
+    })
+    .unwrap();
+    s.write_all(&(welcome.len() as u32).to_le_bytes()).unwrap();
+    s.write_all(&welcome).unwrap();
+    // Now silent (the agent's heartbeats are read by nobody): it leaves on its own.
+    let start = Instant::now();
+    assert_eq!(hosts.wait(0).unwrap(), Some(0));
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "left after {:?}",
+        start.elapsed()
+    );
+    drop(s);
+}
