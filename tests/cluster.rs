@@ -235,3 +235,153 @@ fn an_agent_leaves_a_silent_driver() {
     );
     drop(s);
 }
+
+/// A small actor for the hosts' workers.
+pub struct Counter {
+    n: u64,
+}
+
+#[adag::actor]
+impl Counter {
+    pub fn new(start: u64) -> Self {
+        Counter { n: start }
+    }
+
+    pub fn add(&mut self, k: u64) -> u64 {
+        self.n += k;
+        self.n
+    }
+
+    pub fn process_id(&self) -> u32 {
+        std::process::id()
+    }
+
+    pub fn fail(&mut self, why: String) -> Result<u64, String> {
+        Err(why)
+    }
+}
+
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')')
+        .next()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// Process actors placed on hosts: started there by each host's agent, answering one-off
+/// calls, and keeping their state between calls.
+#[test]
+fn actors_on_other_hosts_answer_calls() {
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(options()).unwrap();
+    let _hosts = LocalHosts::start(2, addr, SECRET).unwrap();
+    let joined = rt.wait_for_hosts(2, JOIN_TIMEOUT).unwrap();
+    for h in &joined {
+        let c = rt
+            .spawn::<Counter>(adag::Placement::Host(h.id), 10)
+            .unwrap_or_else(|e| panic!("spawn on {h:?}: {e}"));
+        assert_eq!(c.call().add(5).unwrap(), 15);
+        assert_eq!(c.call().add(1).unwrap(), 16, "state kept between calls");
+        let pid = c.call().process_id().unwrap();
+        assert_eq!(c.pid(), Some(pid), "the handle knows its worker's pid");
+        assert_eq!(
+            parent_of(pid),
+            Some(h.pid),
+            "the worker is a child of {}'s agent",
+            h.name
+        );
+        match c.call().fail("no".into()) {
+            Err(adag::Error::Task {
+                method, message, ..
+            }) => {
+                assert_eq!(method, "fail");
+                assert!(message.contains("no"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Host 0 is the driver's own: a process actor here.
+    let local = rt.spawn::<Counter>(adag::Placement::Host(0), 1).unwrap();
+    assert_eq!(
+        parent_of(local.call().process_id().unwrap()),
+        Some(std::process::id())
+    );
+    // A host that never joined.
+    assert!(rt.spawn::<Counter>(adag::Placement::Host(99), 1).is_err());
+}
+
+/// A killed remote worker, and a lost host: calls fail with `ActorDied` naming why.
+#[test]
+fn remote_deaths_are_actor_died() {
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(options()).unwrap();
+    let mut hosts = LocalHosts::start(2, addr, SECRET).unwrap();
+    let joined = rt.wait_for_hosts(2, JOIN_TIMEOUT).unwrap();
+    let h0 = joined.iter().find(|h| h.name == "local-0").unwrap().id;
+    let h1 = joined.iter().find(|h| h.name == "local-1").unwrap().id;
+    let a = rt.spawn::<Counter>(adag::Placement::Host(h0), 0).unwrap();
+    let b = rt.spawn::<Counter>(adag::Placement::Host(h1), 0).unwrap();
+    assert_eq!(a.call().add(1).unwrap(), 1);
+    a.kill().unwrap();
+    eventually(
+        "the killed worker's death to be reported",
+        Duration::from_secs(10),
+        || matches!(a.call().add(1), Err(adag::Error::ActorDied { .. })),
+    );
+    // The other host's actor is untouched.
+    assert_eq!(b.call().add(2).unwrap(), 2);
+    // The whole host goes (agent and workers): its actors are dead, naming the host.
+    hosts.kill(1).unwrap();
+    eventually(
+        "the lost host's actors to be dead",
+        Duration::from_secs(10),
+        || match b.call().add(1) {
+            Err(adag::Error::ActorDied { reason, .. }) => {
+                assert!(reason.contains("local-1"), "names the host: {reason}");
+                true
+            }
+            _ => false,
+        },
+    );
+}
+
+/// Graphs with an actor on another host are refused, naming the actor and what to do (the
+/// network channels come next).
+#[test]
+fn graphs_across_hosts_are_refused_for_now() {
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(options()).unwrap();
+    let _hosts = LocalHosts::start(1, addr, SECRET).unwrap();
+    let h = rt.wait_for_hosts(1, JOIN_TIMEOUT).unwrap()[0].id;
+    let a = rt.spawn::<Counter>(adag::Placement::Host(h), 0).unwrap();
+    let dag = adag::Dag::<u64>::new();
+    let err = dag
+        .compile(a.add(dag.input()), adag::CompileOptions::default())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(a.name()) && err.contains("host"), "{err}");
+    // The actor was released: one-off calls still work.
+    assert_eq!(a.call().add(3).unwrap(), 3);
+}
+
+/// When the driver goes, each agent leaves with every worker it started.
+#[test]
+fn agents_leave_with_their_workers() {
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(options()).unwrap();
+    let mut hosts = LocalHosts::start(1, addr, SECRET).unwrap();
+    let h = rt.wait_for_hosts(1, JOIN_TIMEOUT).unwrap()[0].id;
+    let a = rt.spawn::<Counter>(adag::Placement::Host(h), 0).unwrap();
+    let b = rt.spawn::<Counter>(adag::Placement::Host(h), 0).unwrap();
+    let workers = [a.pid().unwrap(), b.pid().unwrap()];
+    assert!(workers.iter().all(|p| alive(*p)));
+    drop((a, b, rt));
+    assert_eq!(hosts.wait(0).unwrap(), Some(0));
+    eventually("the workers to exit", Duration::from_secs(10), || {
+        workers.iter().all(|p| !alive(*p))
+    });
+}

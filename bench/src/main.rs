@@ -306,6 +306,7 @@ impl Bench {
         match p {
             Placement::Thread => "thread",
             Placement::Process => "process",
+            _ => "remote",
         }
     }
 

@@ -17,6 +17,8 @@ use std::sync::Arc;
 pub(crate) enum ActorLink {
     Thread(ThreadLink),
     Process(ProcessLink),
+    /// A worker process on another host, reached through that host's agent.
+    Remote(super::remote::RemoteLink),
 }
 
 /// Dropping the link closes the control channel, which ends the host loop; the thread is
@@ -104,6 +106,7 @@ impl ActorLink {
                 })
             }
             ActorLink::Process(link) => link.call::<Args, R>(actor, method, args),
+            ActorLink::Remote(link) => link.call::<Args, R>(actor, method, args),
         }
     }
 
@@ -115,6 +118,7 @@ impl ActorLink {
                 message: "a thread actor cannot be killed; only process actors can".into(),
             }),
             ActorLink::Process(link) => link.kill(),
+            ActorLink::Remote(link) => link.kill(),
         }
     }
 
@@ -122,6 +126,7 @@ impl ActorLink {
         match self {
             ActorLink::Thread(_) => None,
             ActorLink::Process(link) => Some(link.pid()),
+            ActorLink::Remote(link) => Some(link.pid()),
         }
     }
 }

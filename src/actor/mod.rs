@@ -14,6 +14,7 @@ pub(crate) mod comm_ops;
 pub(crate) mod host;
 pub(crate) mod method;
 pub(crate) mod registry;
+pub(crate) mod remote;
 mod runtime;
 pub(crate) mod wire;
 #[cfg(test)]
@@ -96,7 +97,7 @@ impl ActorInfo for ActorShared {
     fn process(&self) -> u64 {
         match &self.link {
             host::ActorLink::Thread(_) => 0,
-            host::ActorLink::Process(_) => self.id,
+            host::ActorLink::Process(_) | host::ActorLink::Remote(_) => self.id,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The driver's runtime: spawns actors on threads or in worker processes.
 use super::host::{ActorLink, Control, ThreadLink, host_loop};
 use super::method::panic_text;
+use super::remote::RemoteLink;
 use super::worker::ProcessLink;
 use super::{Actor, ActorHandle, ActorShared, HandleCore, next_actor_id};
 use crate::cluster::driver::ClusterDriver;
@@ -17,12 +18,16 @@ use std::time::Duration;
 
 /// Where an actor lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Placement {
     /// A thread of the driver's process: values move without serialization.
     #[default]
     Thread,
     /// A worker process of its own (Ray's kind of actor): edges become shared memory.
     Process,
+    /// A worker process on joined host `id` ([`HostInfo::id`]), started by that host's agent.
+    /// Host 0 is the driver's own: the same as [`Placement::Process`].
+    Host(u64),
 }
 
 /// How to spawn an actor, beyond its placement ([`Runtime::spawn_with`]).
@@ -173,7 +178,30 @@ impl Runtime {
         let live_graph = Arc::new(Mutex::new(None));
         let link = match placement {
             Placement::Thread => ActorLink::Thread(spawn_thread::<A>(id, &name, init)?),
-            Placement::Process => {
+            Placement::Host(host) if host != 0 => {
+                let Some(cluster) = self.cluster.lock().clone() else {
+                    return Err(Error::Spawn {
+                        actor: name,
+                        message: format!(
+                            "placed on host {host}, but this runtime has no hosts; call Runtime::listen and wait for the hosts first"
+                        ),
+                    });
+                };
+                let init = encode(&init).map_err(|e| Error::Spawn {
+                    actor: name.clone(),
+                    message: format!("cannot encode the init arguments: {e}"),
+                })?;
+                ActorLink::Remote(RemoteLink::spawn(
+                    cluster,
+                    host,
+                    id,
+                    &name,
+                    A::type_name(),
+                    init,
+                    live_graph.clone(),
+                )?)
+            }
+            Placement::Process | Placement::Host(_) => {
                 let init = encode(&init).map_err(|e| Error::Spawn {
                     actor: name.clone(),
                     message: format!("cannot encode the init arguments: {e}"),

@@ -262,13 +262,37 @@ impl ProcessLink {
         method: &str,
         args: Args,
     ) -> Result<R> {
+        let args = encode(&args).map_err(|e| Error::Call {
+            actor: actor.to_string(),
+            method: method.to_string(),
+            message: format!("cannot encode the arguments: {e}"),
+        })?;
+        let bytes = self
+            .call_bytes(method, args)?
+            .map_err(|f| super::host::call_failure(actor, method, f))?;
+        decode::<R>(&bytes).map_err(|e| Error::Codec {
+            op: "decode",
+            ty: std::any::type_name::<R>().into(),
+            place: format!("the result of {actor}.{method}"),
+            message: format!(
+                "{e}; the worker's method returns another type (a stale worker binary?)"
+            ),
+        })
+    }
+
+    /// A one-off call with encoded arguments: the encoded result, or why the method failed
+    /// (`Err` of the outer result: the worker could not be reached or died).
+    pub(crate) fn call_bytes(
+        &self,
+        method: &str,
+        args: Vec<u8>,
+    ) -> Result<std::result::Result<Vec<u8>, CallFailure>> {
+        let actor = &self.shared.name;
         let call_err = |message: String| Error::Call {
             actor: actor.to_string(),
             method: method.to_string(),
             message,
         };
-        let args =
-            encode(&args).map_err(|e| call_err(format!("cannot encode the arguments: {e}")))?;
         let _one_at_a_time = self.call_lock.lock();
         if let Some(dead) = self.shared.died() {
             return Err(dead);
@@ -300,25 +324,16 @@ impl ProcessLink {
                     .unwrap_or_else(|| call_err("the worker stopped answering".into())));
             }
         };
-        let bytes = reply.map_err(|f| {
-            super::host::call_failure(
-                actor,
-                method,
-                match f {
-                    WireFailure::NoSuchMethod => CallFailure::NoSuchMethod,
-                    WireFailure::BadArgs(m) => CallFailure::BadArgs(m),
-                    WireFailure::Task(m) => CallFailure::Task(m),
-                },
-            )
-        })?;
-        decode::<R>(&bytes).map_err(|e| Error::Codec {
-            op: "decode",
-            ty: std::any::type_name::<R>().into(),
-            place: format!("the result of {actor}.{method}"),
-            message: format!(
-                "{e}; the worker's method returns another type (a stale worker binary?)"
-            ),
-        })
+        Ok(reply.map_err(|f| match f {
+            WireFailure::NoSuchMethod => CallFailure::NoSuchMethod,
+            WireFailure::BadArgs(m) => CallFailure::BadArgs(m),
+            WireFailure::Task(m) => CallFailure::Task(m),
+        }))
+    }
+
+    /// Ready (or disconnected) once the worker has exited and was reaped.
+    pub(crate) fn exit_signal(&self) -> crossbeam_channel::Receiver<()> {
+        self.exited.clone()
     }
 
     /// Send this actor its part of a graph; `installed` and `done` are answered by the worker.
@@ -631,5 +646,5 @@ fn keep_freed_memory() {
 #[ctor::ctor(unsafe)]
 fn adag_worker_hook() {
     maybe_run_worker();
-    crate::cluster::agent::maybe_run_agent();
+    crate::cluster::agent::maybe_run_agent(super::remote::agent_services);
 }

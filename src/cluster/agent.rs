@@ -1,11 +1,51 @@
 //! The agent of a host: the user's own executable started by a cluster launcher with
 //! `ADAG_JOIN` and `ADAG_TOKEN` in its environment. It joins the driver and stays until the
 //! driver goes (connection closed, or silent past the heartbeat timeout), then exits.
-use super::wire::{self, Hello, ToAgent, ToDriver, WireError};
+use super::wire::{
+    self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
+};
 use super::{ENV_HOST_NAME, ENV_JOIN, ENV_TOKEN};
+use parking_lot::Mutex;
 use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// What an agent does for the driver: the runtime's side (workers), behind a trait so that
+/// the cluster knows nothing of actors.
+pub(crate) trait AgentServices: Send + Sync {
+    /// Start a worker for `actor`; its process id.
+    fn spawn(&self, actor: u64, name: &str, type_name: &str, init: Vec<u8>) -> Result<u32, String>;
+    /// A one-off call; the encoded result.
+    fn call(&self, actor: u64, method: &str, args: Vec<u8>) -> Result<Vec<u8>, RemoteFailure>;
+    /// Kill the actor's worker at once.
+    fn kill(&self, actor: u64) -> Result<(), String>;
+    /// Stop the actor's worker (its last handle is gone).
+    fn release(&self, actor: u64);
+    /// Stop every worker: the agent is leaving.
+    fn shutdown(&self);
+}
+
+/// Tells the driver that an actor's worker died (given to the services when they are made).
+#[derive(Clone)]
+pub(crate) struct DeathReporter(Arc<Mutex<Option<TcpStream>>>);
+
+impl DeathReporter {
+    pub(crate) fn died(&self, actor: u64, reason: &str) {
+        if let Some(stream) = self.0.lock().as_mut() {
+            let _ = wire::write_frame(
+                stream,
+                &ToDriver::Died {
+                    actor,
+                    reason: reason.to_string(),
+                },
+            );
+        }
+    }
+}
+
+/// Makes the agent's services, given how to report deaths.
+pub(crate) type MakeServices = fn(DeathReporter) -> Box<dyn AgentServices>;
 
 /// Exit status of an agent that could not join (wrong secret, no driver, bad address).
 pub const EXIT_JOIN_FAILED: i32 = 3;
@@ -16,11 +56,11 @@ const CONNECT_ATTEMPTS: u32 = 60;
 const CONNECT_PAUSE: Duration = Duration::from_millis(500);
 
 /// If this process was started as a host's agent, run it and exit; otherwise return at once.
-pub(crate) fn maybe_run_agent() {
+pub(crate) fn maybe_run_agent(make: MakeServices) {
     let Ok(join) = std::env::var(ENV_JOIN) else {
         return;
     };
-    let code = match run(&join) {
+    let code = match run(&join, make) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("adag agent: {e}");
@@ -63,7 +103,7 @@ fn connect(join: &str) -> Result<TcpStream, String> {
     ))
 }
 
-fn run(join: &str) -> Result<(), String> {
+fn run(join: &str, make: MakeServices) -> Result<(), String> {
     let token = std::env::var(ENV_TOKEN)
         .ok()
         .filter(|t| !t.is_empty())
@@ -96,30 +136,76 @@ fn run(join: &str) -> Result<(), String> {
         Ok(other) => return Err(format!("the driver answered {other:?} to a join")),
         Err(e) => return Err(format!("joining {join}: {e}")),
     };
-    serve(stream, host, interval, timeout);
+    let _ = stream.set_write_timeout(Some(timeout));
+    let writer = Arc::new(Mutex::new(Some(
+        stream.try_clone().map_err(|e| e.to_string())?,
+    )));
+    let services: Arc<dyn AgentServices> = Arc::from(make(DeathReporter(writer.clone())));
+    serve(stream, &writer, &services, host, interval, timeout);
+    // Leaving: every worker started here goes too, and nothing more is written.
+    services.shutdown();
+    writer.lock().take();
     Ok(())
 }
 
-/// Heartbeats both ways until the driver goes.
-fn serve(mut stream: TcpStream, host: u64, interval: Duration, timeout: Duration) {
+/// Serves the driver's requests, with heartbeats both ways, until the driver goes.
+fn serve(
+    mut stream: TcpStream,
+    writer: &Arc<Mutex<Option<TcpStream>>>,
+    services: &Arc<dyn AgentServices>,
+    host: u64,
+    interval: Duration,
+    timeout: Duration,
+) {
     let _ = stream.set_read_timeout(Some(timeout));
-    let _ = stream.set_write_timeout(Some(timeout));
-    let Ok(mut beat) = stream.try_clone() else {
-        return;
-    };
+    let beat = writer.clone();
     std::thread::Builder::new()
         .name("adag-agent-heartbeat".into())
         .spawn(move || {
-            while wire::write_frame(&mut beat, &ToDriver::Heartbeat).is_ok() {
+            loop {
+                let sent = match beat.lock().as_mut() {
+                    Some(s) => wire::write_frame(s, &ToDriver::Heartbeat).is_ok(),
+                    None => false,
+                };
+                if !sent {
+                    break;
+                }
                 std::thread::sleep(interval);
             }
         })
         .ok();
     let started = Instant::now();
     loop {
-        match wire::read_frame::<ToAgent>(&mut stream) {
+        match wire::read_frame_within::<ToAgent>(&mut stream, wire::MAX_JOINED_FRAME) {
             Ok(ToAgent::Heartbeat) => {}
             Ok(ToAgent::Shutdown) => return,
+            Ok(ToAgent::Request { req, request }) => {
+                // Each request on a thread of its own: a long call never holds up the
+                // heartbeats or the other actors' requests.
+                let services = services.clone();
+                let replies = writer.clone();
+                let spawned = std::thread::Builder::new()
+                    .name(format!("adag-agent-req-{req}"))
+                    .spawn(move || {
+                        let result = handle(&*services, request);
+                        if let Some(s) = replies.lock().as_mut() {
+                            let _ = wire::write_frame(s, &ToDriver::Reply { req, result });
+                        }
+                    });
+                if let Err(e) = spawned
+                    && let Some(s) = writer.lock().as_mut()
+                {
+                    let _ = wire::write_frame(
+                        s,
+                        &ToDriver::Reply {
+                            req,
+                            result: Err(RemoteFailure::Spawn(format!(
+                                "the agent cannot start a thread: {e}"
+                            ))),
+                        },
+                    );
+                }
+            }
             Ok(other) => {
                 eprintln!("adag agent (host {host}): unexpected {other:?}; ignored");
             }
@@ -136,6 +222,38 @@ fn serve(mut stream: TcpStream, host: u64, interval: Duration, timeout: Duration
                 return;
             }
             Err(_) => return,
+        }
+    }
+}
+
+fn handle(
+    services: &dyn AgentServices,
+    request: AgentRequest,
+) -> Result<AgentReply, RemoteFailure> {
+    match request {
+        AgentRequest::Spawn {
+            actor,
+            name,
+            type_name,
+            init,
+        } => services
+            .spawn(actor, &name, &type_name, init)
+            .map(|pid| AgentReply::Spawned { pid })
+            .map_err(RemoteFailure::Spawn),
+        AgentRequest::Call {
+            actor,
+            method,
+            args,
+        } => services
+            .call(actor, &method, args)
+            .map(AgentReply::Returned),
+        AgentRequest::Kill { actor } => services
+            .kill(actor)
+            .map(|()| AgentReply::Done)
+            .map_err(RemoteFailure::Died),
+        AgentRequest::Release { actor } => {
+            services.release(actor);
+            Ok(AgentReply::Done)
         }
     }
 }

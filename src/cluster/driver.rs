@@ -1,20 +1,33 @@
 //! The driver's side of a cluster: it listens, authenticates each joining agent, keeps a table
 //! of hosts and a heartbeat with each, and marks a host lost when its connection closes or
 //! falls silent past the heartbeat timeout.
-use super::wire::{self, Hello, ToAgent, ToDriver, WireError};
+use super::wire::{
+    self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
+};
 use super::{ClusterOptions, HostInfo};
 use crate::error::{Error, Result};
+use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+type Reply = Result<AgentReply, RemoteFailure>;
+/// Told why an actor's worker died (or its host was lost).
+pub(crate) type DeathCallback = Box<dyn Fn(&str) + Send + Sync>;
 
 struct Host {
     info: HostInfo,
-    /// The writing side of the connection (heartbeats, shutdown).
-    stream: TcpStream,
+    /// The writing side of the connection (heartbeats, requests, shutdown); one writer at a
+    /// time, so that frames never interleave.
+    stream: Arc<Mutex<TcpStream>>,
     lost: Option<String>,
+    /// Requests waiting for their reply.
+    pending: HashMap<u64, Sender<Reply>>,
+    /// The actors started there, told when their worker dies.
+    deaths: HashMap<u64, DeathCallback>,
 }
 
 struct State {
@@ -29,6 +42,7 @@ pub(crate) struct ClusterDriver {
     /// Signalled when a host joins or is lost.
     changed: Condvar,
     stop: AtomicBool,
+    next_req: AtomicU64,
 }
 
 impl ClusterDriver {
@@ -58,6 +72,7 @@ impl ClusterDriver {
             }),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
+            next_req: AtomicU64::new(1),
         });
         let weak = Arc::downgrade(&driver);
         std::thread::Builder::new()
@@ -125,14 +140,149 @@ impl ClusterDriver {
         }
     }
 
+    /// The name of host `id`, as errors show it.
+    pub(crate) fn describe_host(&self, id: u64) -> String {
+        self.state
+            .lock()
+            .hosts
+            .iter()
+            .find(|h| h.info.id == id)
+            .map_or_else(
+                || format!("host {id}"),
+                |h| format!("host {} ({id})", h.info.name),
+            )
+    }
+
+    /// Send `request` to host `host` and wait for its reply; fails at once if the host is
+    /// lost (before or while waiting).
+    pub(crate) fn request(&self, host: u64, request: AgentRequest) -> Reply {
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let stream = {
+            let mut state = self.state.lock();
+            let Some(h) = state.hosts.iter_mut().find(|h| h.info.id == host) else {
+                return Err(RemoteFailure::HostLost(format!(
+                    "no host {host} joined this driver"
+                )));
+            };
+            if let Some(why) = &h.lost {
+                return Err(RemoteFailure::HostLost(why.clone()));
+            }
+            h.pending.insert(req, tx);
+            h.stream.clone()
+        };
+        let sent = wire::write_frame(&mut *stream.lock(), &ToAgent::Request { req, request });
+        if let Err(e) = sent {
+            self.mark_lost(host, format!("sending to it failed: {e}"));
+        }
+        // The reader answers, or a lost host drops the sender.
+        rx.recv().unwrap_or_else(|_| {
+            Err(RemoteFailure::HostLost(
+                self.lost_reason(host)
+                    .unwrap_or_else(|| "its connection closed".into()),
+            ))
+        })
+    }
+
+    /// Send `request` to host `host` without waiting for its reply (nothing to wait for when
+    /// the host is lost).
+    pub(crate) fn notify(&self, host: u64, request: AgentRequest) {
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let stream = self
+            .state
+            .lock()
+            .hosts
+            .iter()
+            .find(|h| h.info.id == host && h.lost.is_none())
+            .map(|h| h.stream.clone());
+        if let Some(stream) = stream {
+            let _ = wire::write_frame(&mut *stream.lock(), &ToAgent::Request { req, request });
+        }
+    }
+
+    /// Tell `on_death` when actor `actor` on host `host` dies, or its host is lost.
+    pub(crate) fn on_death(&self, host: u64, actor: u64, on_death: DeathCallback) {
+        let mut state = self.state.lock();
+        match state.hosts.iter_mut().find(|h| h.info.id == host) {
+            Some(h) if h.lost.is_none() => {
+                h.deaths.insert(actor, on_death);
+            }
+            Some(h) => {
+                let why = format!(
+                    "its host {} was lost: {}",
+                    h.info.name,
+                    h.lost.clone().unwrap_or_default()
+                );
+                drop(state);
+                on_death(&why);
+            }
+            None => {}
+        }
+    }
+
+    /// Stop telling anyone about actor `actor` (its handles are gone).
+    pub(crate) fn forget(&self, host: u64, actor: u64) {
+        if let Some(h) = self
+            .state
+            .lock()
+            .hosts
+            .iter_mut()
+            .find(|h| h.info.id == host)
+        {
+            h.deaths.remove(&actor);
+        }
+    }
+
+    fn lost_reason(&self, host: u64) -> Option<String> {
+        self.state
+            .lock()
+            .hosts
+            .iter()
+            .find(|h| h.info.id == host)
+            .and_then(|h| h.lost.clone())
+    }
+
+    fn reply(&self, host: u64, req: u64, result: Reply) {
+        let tx = {
+            let mut state = self.state.lock();
+            state
+                .hosts
+                .iter_mut()
+                .find(|h| h.info.id == host)
+                .and_then(|h| h.pending.remove(&req))
+        };
+        if let Some(tx) = tx {
+            let _ = tx.send(result);
+        }
+    }
+
+    fn died(&self, host: u64, actor: u64, reason: &str) {
+        let callback = {
+            let mut state = self.state.lock();
+            state
+                .hosts
+                .iter_mut()
+                .find(|h| h.info.id == host)
+                .and_then(|h| h.deaths.remove(&actor))
+        };
+        if let Some(cb) = callback {
+            cb(reason);
+        }
+    }
+
     fn send_heartbeats(&self) {
         let mut lost = Vec::new();
-        {
-            let mut state = self.state.lock();
-            for h in state.hosts.iter_mut().filter(|h| h.lost.is_none()) {
-                if let Err(e) = wire::write_frame(&mut h.stream, &ToAgent::Heartbeat) {
-                    lost.push((h.info.id, format!("the connection broke: {e}")));
-                }
+        let streams: Vec<(u64, Arc<Mutex<TcpStream>>)> = self
+            .state
+            .lock()
+            .hosts
+            .iter()
+            .filter(|h| h.lost.is_none())
+            .map(|h| (h.info.id, h.stream.clone()))
+            .collect();
+        for (id, stream) in streams {
+            if let Err(e) = wire::write_frame(&mut *stream.lock(), &ToAgent::Heartbeat) {
+                lost.push((id, format!("the connection broke: {e}")));
             }
         }
         for (id, why) in lost {
@@ -142,15 +292,25 @@ impl ClusterDriver {
 
     fn mark_lost(&self, id: u64, why: String) {
         let mut state = self.state.lock();
+        let mut deaths = Vec::new();
+        let mut name = String::new();
         if let Some(h) = state.hosts.iter_mut().find(|h| h.info.id == id)
             && h.lost.is_none()
         {
             tracing::warn!(host = id, name = %h.info.name, reason = %why, "host lost");
-            let _ = h.stream.shutdown(Shutdown::Both);
-            h.lost = Some(why);
+            let _ = h.stream.lock().shutdown(Shutdown::Both);
+            h.lost = Some(why.clone());
+            // Waiting requests fail now (their senders drop); actors there are dead.
+            h.pending.clear();
+            deaths = h.deaths.drain().map(|(_, cb)| cb).collect();
+            name = h.info.name.clone();
         }
         drop(state);
         self.changed.notify_all();
+        let reason = format!("its host {name} (id {id}) was lost: {why}");
+        for cb in deaths {
+            cb(&reason);
+        }
     }
 
     /// Authenticate one connection and add its host.
@@ -182,8 +342,10 @@ impl ClusterDriver {
             tracing::info!(host = id, name = %info.name, %peer, cores = info.cores, "host joined");
             state.hosts.push(Host {
                 info,
-                stream: stream.try_clone()?,
+                stream: Arc::new(Mutex::new(stream.try_clone()?)),
                 lost: None,
+                pending: HashMap::new(),
+                deaths: HashMap::new(),
             });
             id
         };
@@ -195,8 +357,18 @@ impl ClusterDriver {
             .name(format!("adag-host-{id}"))
             .spawn(move || {
                 let why = loop {
-                    match wire::read_frame::<ToDriver>(&mut stream) {
+                    match wire::read_frame_within::<ToDriver>(&mut stream, wire::MAX_JOINED_FRAME) {
                         Ok(ToDriver::Heartbeat) => {}
+                        Ok(ToDriver::Reply { req, result }) => {
+                            if let Some(d) = weak.upgrade() {
+                                d.reply(id, req, result);
+                            }
+                        }
+                        Ok(ToDriver::Died { actor, reason }) => {
+                            if let Some(d) = weak.upgrade() {
+                                d.died(id, actor, &reason);
+                            }
+                        }
                         Err(WireError::Io(e))
                             if matches!(
                                 e.kind(),
@@ -223,10 +395,11 @@ impl ClusterDriver {
 impl Drop for ClusterDriver {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        let mut state = self.state.lock();
-        for h in state.hosts.iter_mut().filter(|h| h.lost.is_none()) {
-            let _ = wire::write_frame(&mut h.stream, &ToAgent::Shutdown);
-            let _ = h.stream.shutdown(Shutdown::Both);
+        let state = self.state.lock();
+        for h in state.hosts.iter().filter(|h| h.lost.is_none()) {
+            let mut stream = h.stream.lock();
+            let _ = wire::write_frame(&mut *stream, &ToAgent::Shutdown);
+            let _ = stream.shutdown(Shutdown::Both);
         }
     }
 }

@@ -29,8 +29,11 @@ pub(crate) const MAGIC: &[u8; 8] = b"adagjoin";
 pub(crate) const VERSION: u32 = 1;
 /// How long each side waits for the other's part of the handshake.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-/// The largest frame either side reads: control messages are small.
+/// The largest frame read before the peer is authenticated: the join is small.
 pub(crate) const MAX_FRAME: usize = 1 << 20;
+/// The largest frame read from an authenticated peer: one-off calls carry their arguments and
+/// results (the default ceiling of one message, `CompileOptions::max_message_bytes`).
+pub(crate) const MAX_JOINED_FRAME: usize = 1 << 30;
 
 const NONCE: usize = 32;
 const PROOF: usize = 32;
@@ -41,6 +44,49 @@ pub(crate) struct Hello {
     pub name: String,
     pub cores: usize,
     pub pid: u32,
+}
+
+/// What the driver asks of a host's agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum AgentRequest {
+    /// Start a worker process for actor `actor` of type `type_name` built from `init`.
+    Spawn {
+        actor: u64,
+        name: String,
+        type_name: String,
+        init: Vec<u8>,
+    },
+    /// A one-off call of `method` on `actor` with encoded `args`.
+    Call {
+        actor: u64,
+        method: String,
+        args: Vec<u8>,
+    },
+    /// Kill the actor's worker at once.
+    Kill { actor: u64 },
+    /// The driver holds no handle of the actor any more: stop its worker.
+    Release { actor: u64 },
+}
+
+/// What an agent answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum AgentReply {
+    Spawned { pid: u32 },
+    Returned(Vec<u8>),
+    Done,
+}
+
+/// Why a request to an agent failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum RemoteFailure {
+    NoSuchMethod,
+    BadArgs(String),
+    Task(String),
+    Spawn(String),
+    NoSuchActor,
+    Died(String),
+    /// The host was lost before it answered (set by the driver, never sent).
+    HostLost(String),
 }
 
 /// Messages from the driver.
@@ -59,12 +105,26 @@ pub(crate) enum ToAgent {
     Heartbeat,
     /// The driver is going away: exit with everything started here.
     Shutdown,
+    /// Request `req`; answered by one `ToDriver::Reply` with the same number.
+    Request {
+        req: u64,
+        request: AgentRequest,
+    },
 }
 
 /// Messages from an agent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum ToDriver {
     Heartbeat,
+    Reply {
+        req: u64,
+        result: Result<AgentReply, RemoteFailure>,
+    },
+    /// Actor `actor`'s worker died.
+    Died {
+        actor: u64,
+        reason: String,
+    },
 }
 
 /// Why a handshake or a frame failed.
@@ -80,8 +140,8 @@ pub(crate) enum WireError {
     Version { theirs: u32 },
     #[error("authentication failed: {0}")]
     Auth(&'static str),
-    #[error("a frame of {0} bytes, over the limit of {MAX_FRAME}")]
-    TooLarge(usize),
+    #[error("a frame of {0} bytes, over the limit of {1}")]
+    TooLarge(usize, usize),
     #[error("a frame that does not decode: {0}")]
     Decode(String),
     #[error("no random numbers for the handshake: {0}")]
@@ -174,15 +234,23 @@ pub(crate) fn write_frame<T: Serialize>(stream: &mut impl Write, msg: &T) -> Res
     Ok(())
 }
 
-/// Reads one frame; a length over [`MAX_FRAME`] is refused before anything is allocated.
+/// Reads one frame of at most [`MAX_FRAME`] bytes (the join).
 pub(crate) fn read_frame<T: for<'de> Deserialize<'de>>(
     stream: &mut impl Read,
+) -> Result<T, WireError> {
+    read_frame_within(stream, MAX_FRAME)
+}
+
+/// Reads one frame; a length over `limit` is refused before anything is allocated.
+pub(crate) fn read_frame_within<T: for<'de> Deserialize<'de>>(
+    stream: &mut impl Read,
+    limit: usize,
 ) -> Result<T, WireError> {
     let mut len = [0u8; 4];
     stream.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME {
-        return Err(WireError::TooLarge(len));
+    if len > limit {
+        return Err(WireError::TooLarge(len, limit));
     }
     let mut body = vec![0u8; len];
     stream.read_exact(&mut body)?;
@@ -267,7 +335,7 @@ mod tests {
         let huge = ((MAX_FRAME + 1) as u32).to_le_bytes();
         assert!(matches!(
             read_frame::<ToAgent>(&mut &huge[..]),
-            Err(WireError::TooLarge(_))
+            Err(WireError::TooLarge(..))
         ));
     }
 

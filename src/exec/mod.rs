@@ -268,6 +268,14 @@ fn start<I: Value>(
                     }))
                     .map_err(|_| Error::compile(actor.name(), "the actor's thread has stopped"))
             }),
+            ActorLink::Remote(link) => Err(Error::compile(
+                actor.name(),
+                format!(
+                    "actor {} runs on host {}, and graphs across hosts are not built yet (docs/multi-host.md); place the graph's actors on this host (Placement::Thread or Placement::Process) and use one-off calls for actors on other hosts",
+                    actor.name(),
+                    link.host()
+                ),
+            )),
             ActorLink::Process(link) => comms.tickets(actor).and_then(|tickets| {
                 link.install(
                     actor.id(),
@@ -309,7 +317,7 @@ fn start<I: Value>(
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
                 let died = match &actor.0.link {
                     ActorLink::Process(link) => link.death_within(Duration::from_millis(500)),
-                    ActorLink::Thread(_) => None,
+                    ActorLink::Thread(_) | ActorLink::Remote(_) => None,
                 };
                 return Err(fail(died.unwrap_or_else(|| {
                     Error::compile(name, "the actor stopped before it installed its schedule")
@@ -667,6 +675,9 @@ impl<I: Value> GraphShared<I> {
             }
             match &actor.0.link {
                 ActorLink::Process(link) => {
+                    let _ = link.kill();
+                }
+                ActorLink::Remote(link) => {
                     let _ = link.kill();
                 }
                 ActorLink::Thread(_) => still_busy.push(actor.clone()),

@@ -1,0 +1,284 @@
+//! Actors on other hosts: the driver's link to an actor whose worker runs on a joined host
+//! ([`RemoteLink`]), and what a host's agent does for the driver ([`AgentWorkers`]): start
+//! workers there with the same rules as here, serve one-off calls, report deaths.
+use super::method::CallFailure;
+use super::worker::{ProcessLink, graphs};
+use crate::cluster::agent::{AgentServices, DeathReporter};
+use crate::cluster::driver::ClusterDriver;
+use crate::cluster::wire::{AgentReply, AgentRequest, RemoteFailure};
+use crate::error::{Error, Result};
+use crate::value::{Value, decode, encode};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+
+/// The driver's link to an actor on another host.
+pub(crate) struct RemoteLink {
+    cluster: Arc<ClusterDriver>,
+    host: u64,
+    actor: u64,
+    name: String,
+    pid: u32,
+    /// Why the worker died (or its host was lost), once it did.
+    dead: Arc<Mutex<Option<String>>>,
+}
+
+fn remote_error(actor: &str, method: &str, failure: RemoteFailure) -> Error {
+    match failure {
+        RemoteFailure::NoSuchMethod => {
+            super::host::call_failure(actor, method, CallFailure::NoSuchMethod)
+        }
+        RemoteFailure::BadArgs(m) => {
+            super::host::call_failure(actor, method, CallFailure::BadArgs(m))
+        }
+        RemoteFailure::Task(m) => super::host::call_failure(actor, method, CallFailure::Task(m)),
+        RemoteFailure::Died(reason) | RemoteFailure::HostLost(reason) => Error::ActorDied {
+            actor: actor.to_string(),
+            reason,
+        },
+        RemoteFailure::NoSuchActor => Error::ActorDied {
+            actor: actor.to_string(),
+            reason: "its host no longer runs it".into(),
+        },
+        RemoteFailure::Spawn(message) => Error::Spawn {
+            actor: actor.to_string(),
+            message,
+        },
+    }
+}
+
+impl RemoteLink {
+    /// Start actor `id` on host `host` through its agent.
+    pub(crate) fn spawn(
+        cluster: Arc<ClusterDriver>,
+        host: u64,
+        id: u64,
+        name: &str,
+        type_name: &str,
+        init: Vec<u8>,
+        live_graph: Arc<Mutex<Option<u64>>>,
+    ) -> Result<Self> {
+        let dead = Arc::new(Mutex::new(None));
+        // Told before the spawn is asked for, so that no early death goes unseen.
+        let (flag, actor_name) = (dead.clone(), name.to_string());
+        cluster.on_death(
+            host,
+            id,
+            Box::new(move |why: &str| {
+                *flag.lock() = Some(why.to_string());
+                let graph = *live_graph.lock();
+                if let Some(g) = graph {
+                    let sink = graphs().lock().get(&g).and_then(Weak::upgrade);
+                    if let Some(sink) = sink {
+                        sink.actor_died(&actor_name, why);
+                    }
+                }
+            }),
+        );
+        let reply = cluster.request(
+            host,
+            AgentRequest::Spawn {
+                actor: id,
+                name: name.to_string(),
+                type_name: type_name.to_string(),
+                init,
+            },
+        );
+        let where_ = cluster.describe_host(host);
+        match reply {
+            Ok(AgentReply::Spawned { pid }) => Ok(RemoteLink {
+                cluster,
+                host,
+                actor: id,
+                name: name.to_string(),
+                pid,
+                dead,
+            }),
+            Ok(other) => {
+                cluster.forget(host, id);
+                Err(Error::Spawn {
+                    actor: name.to_string(),
+                    message: format!("{where_} answered {other:?} to a spawn"),
+                })
+            }
+            Err(f) => {
+                cluster.forget(host, id);
+                Err(Error::Spawn {
+                    actor: name.to_string(),
+                    message: format!("on {where_}: {}", remote_error(name, "new", f)),
+                })
+            }
+        }
+    }
+
+    pub(crate) fn call<Args: Value, R: Value>(
+        &self,
+        actor: &str,
+        method: &str,
+        args: Args,
+    ) -> Result<R> {
+        if let Some(why) = self.dead.lock().clone() {
+            return Err(Error::ActorDied {
+                actor: actor.to_string(),
+                reason: why,
+            });
+        }
+        let args = encode(&args).map_err(|e| Error::Call {
+            actor: actor.to_string(),
+            method: method.to_string(),
+            message: format!("cannot encode the arguments: {e}"),
+        })?;
+        let reply = self.cluster.request(
+            self.host,
+            AgentRequest::Call {
+                actor: self.actor,
+                method: method.to_string(),
+                args,
+            },
+        );
+        let bytes = match reply {
+            Ok(AgentReply::Returned(bytes)) => bytes,
+            Ok(other) => {
+                return Err(Error::Call {
+                    actor: actor.to_string(),
+                    method: method.to_string(),
+                    message: format!("its host answered {other:?} to a call"),
+                });
+            }
+            Err(f) => return Err(remote_error(actor, method, f)),
+        };
+        decode::<R>(&bytes).map_err(|e| Error::Codec {
+            op: "decode",
+            ty: std::any::type_name::<R>().into(),
+            place: format!("the result of {actor}.{method}"),
+            message: format!("{e}; the host's worker returns another type (a stale binary there?)"),
+        })
+    }
+
+    pub(crate) fn kill(&self) -> Result<()> {
+        match self
+            .cluster
+            .request(self.host, AgentRequest::Kill { actor: self.actor })
+        {
+            Ok(_) => Ok(()),
+            // Already gone: killing it is done.
+            Err(RemoteFailure::HostLost(_) | RemoteFailure::NoSuchActor) => Ok(()),
+            Err(f) => Err(remote_error(&self.name, "kill", f)),
+        }
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The host the actor runs on.
+    pub(crate) fn host(&self) -> u64 {
+        self.host
+    }
+}
+
+impl Drop for RemoteLink {
+    fn drop(&mut self) {
+        self.cluster.forget(self.host, self.actor);
+        self.cluster
+            .notify(self.host, AgentRequest::Release { actor: self.actor });
+    }
+}
+
+/// The workers a host's agent started for the driver.
+pub(crate) struct AgentWorkers {
+    workers: Mutex<HashMap<u64, Arc<ProcessLink>>>,
+    reporter: DeathReporter,
+}
+
+/// The agent's services (see `cluster::agent`).
+pub(crate) fn agent_services(reporter: DeathReporter) -> Box<dyn AgentServices> {
+    Box::new(AgentWorkers {
+        workers: Mutex::new(HashMap::new()),
+        reporter,
+    })
+}
+
+impl AgentWorkers {
+    fn link(&self, actor: u64) -> std::result::Result<Arc<ProcessLink>, RemoteFailure> {
+        self.workers
+            .lock()
+            .get(&actor)
+            .cloned()
+            .ok_or(RemoteFailure::NoSuchActor)
+    }
+}
+
+impl AgentServices for AgentWorkers {
+    fn spawn(
+        &self,
+        actor: u64,
+        name: &str,
+        type_name: &str,
+        init: Vec<u8>,
+    ) -> std::result::Result<u32, String> {
+        let link = ProcessLink::spawn(actor, name, type_name, init, Arc::new(Mutex::new(None)))
+            .map_err(|e| e.to_string())?;
+        let link = Arc::new(link);
+        let pid = link.pid();
+        let exited = link.exit_signal();
+        let weak = Arc::downgrade(&link);
+        let reporter = self.reporter.clone();
+        // Reports the worker's death, unless the driver released it first.
+        std::thread::Builder::new()
+            .name(format!("adag-agent-watch-{actor}"))
+            .spawn(move || {
+                let _ = exited.recv();
+                if let Some(link) = weak.upgrade() {
+                    let reason = link
+                        .death_within(std::time::Duration::from_millis(500))
+                        .map_or_else(
+                            || "its process ended".to_string(),
+                            |e| match e {
+                                Error::ActorDied { reason, .. } => reason,
+                                other => other.to_string(),
+                            },
+                        );
+                    reporter.died(actor, &reason);
+                }
+            })
+            .map_err(|e| format!("cannot start a watcher thread: {e}"))?;
+        self.workers.lock().insert(actor, link);
+        Ok(pid)
+    }
+
+    fn call(
+        &self,
+        actor: u64,
+        method: &str,
+        args: Vec<u8>,
+    ) -> std::result::Result<Vec<u8>, RemoteFailure> {
+        let link = self.link(actor)?;
+        match link.call_bytes(method, args) {
+            Ok(Ok(bytes)) => Ok(bytes),
+            Ok(Err(CallFailure::NoSuchMethod)) => Err(RemoteFailure::NoSuchMethod),
+            Ok(Err(CallFailure::BadArgs(m))) => Err(RemoteFailure::BadArgs(m)),
+            Ok(Err(CallFailure::Task(m))) => Err(RemoteFailure::Task(m)),
+            Err(Error::ActorDied { reason, .. }) => Err(RemoteFailure::Died(reason)),
+            Err(e) => Err(RemoteFailure::Died(e.to_string())),
+        }
+    }
+
+    fn kill(&self, actor: u64) -> std::result::Result<(), String> {
+        self.link(actor)
+            .map_err(|_| "no such actor".to_string())?
+            .kill()
+            .map_err(|e| e.to_string())
+    }
+
+    fn release(&self, actor: u64) {
+        // Dropped off this thread: the link's drop waits for the worker to leave.
+        let link = self.workers.lock().remove(&actor);
+        drop(link);
+    }
+
+    fn shutdown(&self) {
+        let all: Vec<Arc<ProcessLink>> = self.workers.lock().drain().map(|(_, l)| l).collect();
+        drop(all);
+    }
+}
