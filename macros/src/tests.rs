@@ -181,7 +181,8 @@ fn golden_stage() {
                 ::core::result::Result::Ok(__adag_this.pair(a, b)),)",
         "::adag::__private::method::<Stage, (u64,), u64>(\"check\", &[\"v\"],
             |__adag_this: &mut Stage, (v,): (u64,)|
-                __adag_this.check(v).map_err(|e| ::std::string::ToString::to_string(&e)),)",
+                __adag_this.check(v).map_err(|__adag_e| {",
+        "(&&&&::adag::__private::error_kind::Wrap(&__adag_e)).__adag_method_error() }),)",
         "::adag::__private::method::<Stage, (), ()>(\"ping\", &[],
             |__adag_this: &mut Stage, (): ()| { __adag_this.ping(); ::core::result::Result::Ok(()) },)",
         "::adag::__private::method::<Stage, (u32,), u32>(\"fetch\", &[\"k\"],
