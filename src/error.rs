@@ -33,15 +33,16 @@ pub enum Error {
         /// The method's error text (its whole chain) or panic message.
         message: String,
         /// The method's error, outermost first, then each `source()` in turn (one element
-        /// for an error without a source or a panic).
-        chain: Vec<String>,
+        /// for an error without a source or a panic). Boxed, like the two fields below, to
+        /// keep `Error` small (every `Result` of the crate carries it).
+        chain: Box<[String]>,
         /// The Rust type of the method's error (`std::any::type_name`), or `None` for a
         /// panic and for failures that are not the method's own (an argument that could not
         /// be read, a result over the ceiling).
-        error_type: Option<String>,
+        error_type: Option<Box<str>>,
         /// The panic's backtrace, when the actor's process asked for one (`RUST_BACKTRACE`
         /// or `RUST_LIB_BACKTRACE` set to `1` or `full`).
-        backtrace: Option<String>,
+        backtrace: Option<Box<str>>,
     },
     /// An actor's worker process died; the graph was torn down.
     #[error(
@@ -218,7 +219,7 @@ fn compile_text(problems: &[CompileProblem], node: &str, message: &str) -> Strin
     }
 }
 
-fn backtrace_suffix(backtrace: &Option<String>) -> String {
+fn backtrace_suffix(backtrace: &Option<Box<str>>) -> String {
     match backtrace {
         Some(b) => format!("\npanic backtrace:\n{b}"),
         None => String::new(),
@@ -293,7 +294,7 @@ impl Error {
         Error::Task {
             actor: actor.into(),
             method: method.into(),
-            chain: vec![message.clone()],
+            chain: Box::new([message.clone()]),
             message,
             error_type: None,
             backtrace: None,
@@ -342,9 +343,9 @@ impl MethodError {
             actor: actor.into(),
             method: method.into(),
             message: self.text(),
-            chain: self.chain,
-            error_type: self.error_type,
-            backtrace: self.backtrace,
+            chain: self.chain.into(),
+            error_type: self.error_type.map(Into::into),
+            backtrace: self.backtrace.map(Into::into),
         }
     }
 }

@@ -2394,9 +2394,10 @@ fn method_errors_keep_their_chain_and_type() {
                     ..
                 } => {
                     assert_eq!(actor, "chain", "[{p:?}]");
-                    assert_eq!(got, chain, "[{p:?}] {text}");
+                    assert_eq!(&*got, chain, "[{p:?}] {text}");
                     assert_eq!(message, chain.join(": "), "[{p:?}]");
                     let error_type = error_type.unwrap_or_default();
+                    let error_type = &*error_type;
                     assert!(error_type.contains(ty), "[{p:?}] {error_type}");
                     assert!(backtrace.is_none(), "[{p:?}] no backtrace for an Err");
                     for c in chain {

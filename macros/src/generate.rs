@@ -269,7 +269,7 @@ fn constructor(model: &ActorModel) -> (TokenStream, TokenStream) {
 /// The closure that turns a method's `Err(e)` into `adag::__private::MethodError`: the whole
 /// chain when `e` is an error (or holds one, like `anyhow::Error`), else its text; always its
 /// type name (see `adag::error::error_kind`).
-fn method_error() -> TokenStream {
+pub(crate) fn method_error() -> TokenStream {
     quote! {
         |__adag_e| {
             #[allow(unused_imports)]

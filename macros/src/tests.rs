@@ -29,6 +29,11 @@ fn expand_ok(item: TokenStream) -> String {
     squash(&expand_file(item).to_token_stream().to_string())
 }
 
+/// The closure `#[actor]` puts in `map_err` for a fallible method, as text.
+fn method_error() -> String {
+    crate::generate::method_error().to_string()
+}
+
 #[track_caller]
 fn assert_has(out: &str, fragment: &str) {
     let fragment = squash(fragment);
@@ -336,7 +341,8 @@ fn result_returns() {
         squash(&format!(
             "::adag::__private::method::<A, (u32,), {ok}>(\"f\", &[\"v\"],
                 |__adag_this: &mut A, (v,): (u32,)|
-                    __adag_this.f(v).map_err(|e| ::std::string::ToString::to_string(&e)),)"
+                    __adag_this.f(v).map_err({}),)",
+            method_error()
         ))
     };
     assert_eq!(
@@ -414,8 +420,11 @@ fn async_methods() {
     );
     assert_has(
         &entry_of(quote! { async fn f(&self, k: u32) -> Result<u32, E> { Ok(k) } }),
-        "|__adag_this: &mut A, (k,): (u32,)| ::adag::__private::block_on(__adag_this.f(k))
-            .map_err(|e| ::std::string::ToString::to_string(&e)),",
+        &format!(
+            "|__adag_this: &mut A, (k,): (u32,)| ::adag::__private::block_on(__adag_this.f(k))
+            .map_err({}),",
+            method_error()
+        ),
     );
     assert_has(
         &entry_of(quote! { async fn f(&self) {} }),
@@ -623,7 +632,10 @@ fn fallible_constructors() {
     assert_eq!(init, "Cfg");
     assert_has(
         &construct,
-        "{ A::new(init).map_err(|e| ::std::string::ToString::to_string(&e)) }",
+        &format!(
+            "{{ A::new(init).map_err({}).map_err(|e| e.text()) }}",
+            method_error()
+        ),
     );
     let (init, construct) = construct_of(quote! {
         impl A { pub fn new() -> anyhow::Result<A> { todo!() } }
@@ -631,7 +643,10 @@ fn fallible_constructors() {
     assert_eq!(init, "()");
     assert_has(
         &construct,
-        "{ A::new().map_err(|e| ::std::string::ToString::to_string(&e)) }",
+        &format!(
+            "{{ A::new().map_err({}).map_err(|e| e.text()) }}",
+            method_error()
+        ),
     );
 }
 
@@ -642,8 +657,11 @@ fn async_constructor() {
     });
     assert_has(
         &construct,
-        "{ let (a, b) = init; ::adag::__private::block_on(A::new(a, b))
-            .map_err(|e| ::std::string::ToString::to_string(&e)) }",
+        &format!(
+            "{{ let (a, b) = init; ::adag::__private::block_on(A::new(a, b))
+            .map_err({}).map_err(|e| e.text()) }}",
+            method_error()
+        ),
     );
 }
 
