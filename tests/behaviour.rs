@@ -445,7 +445,7 @@ fn by_name_unknown_method_is_an_error_naming_it() {
         let Err(e) = a.method("nope") else {
             panic!("[{p:?}] a method that does not exist was found");
         };
-        let Error::Compile { node, message } = e else {
+        let Error::Compile { node, message, .. } = e else {
             panic!("[{p:?}] expected Error::Compile, got {e:?}");
         };
         assert_eq!(node, format!("{}.nope", a.name()), "[{p:?}] {message}");
