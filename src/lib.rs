@@ -26,7 +26,7 @@ pub use dag::{
     ActorRef, AnyNode, Arg, CustomCommunicator, Dag, ErasedArg, InputNode, MultiOutput, Node,
     Transport,
 };
-pub use error::{Capacity, Error, Result};
+pub use error::{Capacity, CompileProblem, Error, MethodError, Result};
 pub use exec::{
     CommunicatorInfo, CompiledGraph, CompiledRef, IndexedInput, IntoOutputs, RefSet, get_all,
 };
@@ -47,6 +47,7 @@ pub mod __private {
     pub use crate::actor::registry::{ACTOR_TYPES, ActorTypeEntry};
     pub use crate::actor::{FromHandleCore, HandleCore, MethodEntry};
     pub use crate::comm::COMM_FACTORIES;
+    pub use crate::error::{MethodError, error_kind};
     pub use linkme;
 
     /// Run an async method to completion on the actor's own thread.

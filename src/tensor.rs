@@ -922,7 +922,15 @@ impl Serialize for Tensor {
     /// to the CPU or send it through its device communicator.
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         // A `Buffer` sharing the storage (a reference count, no copy) carries the bytes.
-        let data = Buffer::from(self.cpu_bytes().map_err(ser::Error::custom)?.clone());
+        let bytes = self.cpu_bytes().map_err(|_| {
+            ser::Error::custom(crate::value::note_serialize_failure(format!(
+                "a tensor on {} (dtype {}, shape {:?}) cannot be serialized: its data is not readable by the CPU, and an edge between processes carries values through shared memory. Send it through a communicator (node.with_tensor_transport(Transport::communicator()), or Transport::custom(..)), or move the tensor to the CPU in the method that returns it",
+                self.device(),
+                self.dtype,
+                self.shape
+            )))
+        })?;
+        let data = Buffer::from(bytes.clone());
         let mut st = serializer.serialize_struct("Tensor", 3)?;
         st.serialize_field("dtype", &self.dtype)?;
         st.serialize_field("shape", &self.shape)?;

@@ -21,7 +21,7 @@ fn opts() -> CompileOptions {
 #[track_caller]
 fn compile_error(e: Error, p: Placement) -> (String, String) {
     match e {
-        Error::Compile { node, message } => (node, message),
+        Error::Compile { node, message, .. } => (node, message),
         other => panic!("[{p:?}] expected Error::Compile, got {other:?}"),
     }
 }
@@ -445,7 +445,7 @@ fn by_name_unknown_method_is_an_error_naming_it() {
         let Err(e) = a.method("nope") else {
             panic!("[{p:?}] a method that does not exist was found");
         };
-        let Error::Compile { node, message } = e else {
+        let Error::Compile { node, message, .. } = e else {
             panic!("[{p:?}] expected Error::Compile, got {e:?}");
         };
         assert_eq!(node, format!("{}.nope", a.name()), "[{p:?}] {message}");
@@ -750,7 +750,19 @@ fn validation_zero_inflight_rejected() {
             dag.compile(y.clone(), opts().max_inflight_executions(0)),
             "max_inflight 0",
         );
-        let (_node, message) = compile_error(e, p);
+        // A typed configuration error naming the option (it was a compile error on node
+        // "options").
+        let message = e.to_string();
+        assert!(
+            matches!(
+                e,
+                Error::Config {
+                    option: "max_inflight_executions",
+                    ..
+                }
+            ),
+            "[{p:?}] {e:?}"
+        );
         assert!(
             message.contains("max_inflight_executions"),
             "[{p:?}] {message}"
@@ -1061,6 +1073,7 @@ fn task_error_reported_and_downstream_skipped() {
                     actor,
                     method,
                     message,
+                    ..
                 }) => {
                     assert_eq!(actor, "checker", "[{p:?}] {which}");
                     assert_eq!(method, "checked", "[{p:?}] {which}");
@@ -1105,6 +1118,7 @@ fn panic_reported_and_graph_continues() {
                 actor,
                 method,
                 message,
+                ..
             }) => {
                 assert_eq!(actor, "bomber", "[{p:?}]");
                 assert_eq!(method, "boom", "[{p:?}]");
@@ -1143,6 +1157,7 @@ fn one_off_call_err_is_task_error() {
                 actor,
                 method,
                 message,
+                ..
             }) => {
                 assert_eq!(
                     (actor.as_str(), method.as_str()),
@@ -1446,6 +1461,7 @@ fn error_propagates_through_chain_and_fan_in() {
                     actor,
                     method,
                     message,
+                    ..
                 }) => {
                     assert_eq!(
                         (actor.as_str(), method.as_str()),
@@ -1858,6 +1874,7 @@ fn error_of_a_split_source_reaches_every_element() {
                     actor,
                     method,
                     message,
+                    ..
                 }) => {
                     assert_eq!(
                         (actor.as_str(), method.as_str()),
@@ -1966,4 +1983,530 @@ fn execute_is_not_blocked_by_a_get_on_another_thread() {
         assert_eq!(getter.join().unwrap().unwrap(), 1, "[{p:?}]");
         assert_eq!(r1.unwrap().get().unwrap(), 2, "[{p:?}]");
     });
+}
+
+// =======================================================================================
+// Issue 12: options, compile errors, small ones, error fidelity
+// =======================================================================================
+
+fn tokio_rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// Every option out of its documented range is an `Error::Config` naming the option, the
+/// value and the range, in sync and async graphs; nothing is claimed, so the actor stays free.
+/// The edge values that have a meaning are accepted and the graph works with them (an async
+/// graph with one buffered result delivers every result).
+#[test]
+fn compile_options_out_of_range_are_config_errors() {
+    each_placement("compile_options_out_of_range_are_config_errors", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let bad: Vec<(CompileOptions, &str, &str)> = vec![
+            (opts().buffer_size_bytes(0), "buffer_size_bytes", "0"),
+            (opts().max_buffered_results(0), "max_buffered_results", "0"),
+            (
+                opts().max_inflight_executions(0),
+                "max_inflight_executions",
+                "0",
+            ),
+            (
+                opts().max_inflight_executions(1 << 20),
+                "max_inflight_executions",
+                "1048576",
+            ),
+            (opts().max_message_bytes(0), "max_message_bytes", "0"),
+            (
+                opts().buffer_size_bytes(4096).max_message_bytes(1024),
+                "buffer_size_bytes",
+                "4096",
+            ),
+            (opts().spin(Duration::from_secs(5)), "spin", "5s"),
+            (
+                opts().teardown_timeout(Duration::MAX),
+                "teardown_timeout",
+                "teardown_timeout",
+            ),
+        ];
+        for asyncio in [false, true] {
+            for (o, option, value) in &bad {
+                let dag = Dag::<u64>::new();
+                let y = a.echo(dag.input());
+                let e = expect_err(
+                    dag.compile(y, o.clone().enable_asyncio(asyncio)),
+                    &format!("[{p:?}] {option} out of range (async {asyncio})"),
+                );
+                let text = e.to_string();
+                match &e {
+                    Error::Config {
+                        option: got,
+                        value: v,
+                        allowed,
+                    } => {
+                        assert_eq!(got, option, "[{p:?}] {text}");
+                        assert!(
+                            text.contains(option) && text.contains(value),
+                            "[{p:?}] names the option and the value: {text}"
+                        );
+                        assert!(
+                            !allowed.is_empty() && text.contains(allowed.as_str()),
+                            "{v}"
+                        );
+                        assert!(
+                            text.contains(&format!("CompileOptions::{option}(")),
+                            "[{p:?}] says how to fix it: {text}"
+                        );
+                    }
+                    other => panic!("[{p:?}] expected Error::Config for {option}, got {other:?}"),
+                }
+            }
+        }
+        assert_eq!(a.call().echo(3).unwrap(), 4, "[{p:?}] the actor stays free");
+
+        // Edge values with a meaning are accepted.
+        let edge = opts()
+            .buffer_size_bytes(1)
+            .max_buffered_results(1)
+            .max_inflight_executions(1)
+            .submit_timeout(Duration::ZERO)
+            .get_timeout(Duration::MAX)
+            .spin(Duration::ZERO)
+            .teardown_timeout(Duration::ZERO);
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(a.echo(dag.input()), edge.clone()).unwrap();
+        for i in 0..5u64 {
+            assert_eq!(g.execute(i).unwrap().get().unwrap(), i + 1, "[{p:?}]");
+        }
+        g.teardown().unwrap();
+        // Async with one buffered result: every result is delivered (it used to hang with 0).
+        let dag = Dag::<u64>::new();
+        let g = dag
+            .compile(
+                a.echo(dag.input()),
+                edge.max_inflight_executions(4).enable_asyncio(true),
+            )
+            .unwrap();
+        let got = tokio_rt().block_on(async {
+            let mut futs = Vec::new();
+            for i in 0..4u64 {
+                futs.push(g.execute_async(i).await.unwrap());
+            }
+            let mut got = Vec::new();
+            for f in futs {
+                got.push(f.await.unwrap());
+            }
+            got
+        });
+        assert_eq!(got, vec![1, 2, 3, 4], "[{p:?}]");
+    });
+}
+
+/// A graph with several problems reports all of them in one error, each with the node's
+/// full label; the Display lists each.
+#[test]
+fn compile_error_lists_every_problem() {
+    each_placement("compile_error_lists_every_problem", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let c = worker(&rt, p, 3);
+        let dag = Dag::<(u64, u64)>::new();
+        let input = dag.input();
+        let first = input.arg::<0>();
+        let second = input.arg::<1>();
+        let y = a.echo(&first);
+        let leaf1 = b.echo(&first);
+        let leaf2 = c.echo(&first);
+        let e = expect_err(dag.compile(y.clone(), opts()), "three problems");
+        let text = e.to_string();
+        let problems = e.compile_problems().to_vec();
+        let nodes: Vec<&str> = problems.iter().map(|q| q.node.as_str()).collect();
+        assert_eq!(
+            nodes,
+            vec![
+                second.describe().as_str(),
+                leaf1.describe().as_str(),
+                leaf2.describe().as_str()
+            ],
+            "[{p:?}] {text}"
+        );
+        assert!(leaf1.describe().contains(&format!("{}.echo#", b.name())));
+        assert!(text.contains("3 problems"), "[{p:?}] {text}");
+        for q in &problems {
+            assert!(text.contains(&q.to_string()), "[{p:?}] lists {q}: {text}");
+        }
+        // The first problem is still in `node` and `message`.
+        let (node, message) = compile_error(e, p);
+        assert_eq!(
+            (node.as_str(), message.as_str()),
+            (nodes[0], problems[0].message.as_str())
+        );
+        drop((leaf1, leaf2, second));
+        let g = dag.compile(y, opts()).unwrap();
+        assert_eq!(g.execute((4, 9)).unwrap().get().unwrap(), 5, "[{p:?}]");
+    });
+}
+
+/// A node of another graph is reported at the task that uses it, and the other graph's input
+/// by its graph, not only as "input".
+#[test]
+fn compile_error_names_the_graph_of_a_foreign_input() {
+    each_placement("compile_error_names_the_graph_of_a_foreign_input", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let d1 = Dag::<u64>::new();
+        let d2 = Dag::<u64>::new();
+        let y1 = a.echo(d1.input());
+        let e = expect_err(d2.compile(y1.clone(), opts()), "node of d1 in d2");
+        let text = e.to_string();
+        let nodes: Vec<String> = e
+            .compile_problems()
+            .iter()
+            .map(|q| q.node.clone())
+            .collect();
+        assert_eq!(nodes[0], y1.describe(), "[{p:?}] {text}");
+        let foreign_input = format!("input of graph #{}", d1.id());
+        assert!(nodes.contains(&foreign_input), "[{p:?}] {nodes:?}: {text}");
+        assert!(
+            nodes.contains(&"input".to_string()),
+            "[{p:?}] d2 has no input: {text}"
+        );
+    });
+}
+
+/// Compiling a second output set from a `Dag` whose compiled graph is live says that the Dag
+/// is already compiled, and as which graph; after teardown it compiles again.
+#[test]
+fn compiling_a_live_dag_again_says_it_is_compiled() {
+    each_placement("compiling_a_live_dag_again_says_it_is_compiled", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let y = a.echo(&x);
+        let g1 = dag.compile(y.clone(), opts()).unwrap();
+        let z = b.echo(&x);
+        for outputs in [vec![z.clone()], vec![y.clone()]] {
+            let e = expect_err(dag.compile(outputs, opts()), "second compile");
+            let (node, message) = compile_error(e, p);
+            assert_eq!(node, "outputs", "[{p:?}] {message}");
+            assert!(message.contains("already compiled"), "[{p:?}] {message}");
+            assert!(
+                message.contains(&format!("#{}", g1.id())),
+                "[{p:?}] {message}"
+            );
+            assert!(
+                message.contains(&format!("#{}", dag.id())),
+                "[{p:?}] {message}"
+            );
+        }
+        assert_eq!(
+            g1.execute(1).unwrap().get().unwrap(),
+            2,
+            "[{p:?}] g1 unharmed"
+        );
+        g1.teardown().unwrap();
+        let g2 = dag.compile((y, z), opts()).unwrap();
+        assert_eq!(g2.execute(1).unwrap().get().unwrap(), (2, 3), "[{p:?}]");
+    });
+}
+
+/// A collective of no input is refused where it is bound, naming the collective.
+#[test]
+fn empty_collective_is_refused_at_bind() {
+    use adag::ReduceOp;
+    use adag::collective::{allgather, allreduce, reducescatter};
+    type Bind = fn() -> Vec<Node<adag::Tensor>>;
+    let cases: [(Bind, &str); 3] = [
+        (|| allreduce(&[], ReduceOp::Sum), "allreduce.sum"),
+        (|| allgather(&[]), "allgather"),
+        (|| reducescatter(&[], ReduceOp::Max), "reducescatter.max"),
+    ];
+    for (bind, name) in cases {
+        let payload = std::panic::catch_unwind(bind).expect_err(name);
+        let text = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            text.contains(name) && text.contains("no input nodes"),
+            "{name}: {text}"
+        );
+    }
+}
+
+/// A device tensor written to a shared-memory edge fails naming the device and the fix; in
+/// one process it moves without encoding and arrives as it was.
+#[test]
+fn device_tensor_on_a_shared_memory_edge_names_device_and_fix() {
+    each_placement(
+        "device_tensor_on_a_shared_memory_edge_names_device_and_fix",
+        |p| {
+            let rt = Runtime::new().unwrap();
+            let a = named_worker(&rt, p, "gpu0", 0);
+            let dag = Dag::<u64>::new();
+            let g = dag.compile(a.on_device(dag.input()), opts()).unwrap();
+            match (p, g.execute(1).unwrap().get()) {
+                (Placement::Thread, Ok(t)) => assert_eq!(t.device(), adag::Device::Cuda(0)),
+                (
+                    Placement::Process,
+                    Err(Error::Task {
+                        actor,
+                        method,
+                        message,
+                        ..
+                    }),
+                ) => {
+                    assert_eq!((actor.as_str(), method.as_str()), ("gpu0", "on_device"));
+                    for needle in ["cuda:0", "Transport::communicator()", "CPU"] {
+                        assert!(message.contains(needle), "names {needle}: {message}");
+                    }
+                    assert!(!message.contains("Serde Serialization Error"), "{message}");
+                }
+                (p, other) => panic!("[{p:?}] unexpected {other:?}"),
+            }
+            // The graph goes on.
+            assert!(matches!(p, Placement::Thread) || g.execute(2).unwrap().get().is_err());
+        },
+    );
+}
+
+/// A value whose `Serialize` always fails.
+#[derive(Clone, Debug)]
+struct NoWire;
+
+impl serde::Serialize for NoWire {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("NoWire refuses"))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for NoWire {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <()>::deserialize(d).map(|()| NoWire)
+    }
+}
+
+/// An actor taking a value that cannot be encoded.
+#[derive(Default)]
+struct Sink;
+
+#[adag::actor]
+impl Sink {
+    fn take(&mut self, _v: NoWire) -> u64 {
+        0
+    }
+}
+
+/// Input errors name the input part (`input[1]`, `input.k`), not a timeout label; an input
+/// that cannot be encoded is an encode error naming its type, at once (no channel growth).
+#[test]
+fn input_errors_name_the_input_part() {
+    each_placement("input_errors_name_the_input_part", |p| {
+        if p == Placement::Thread {
+            return; // in-process inputs move without encoding: no ceiling, no encoder
+        }
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let b = worker(&rt, p, 0);
+        let small = opts().buffer_size_bytes(1024).max_message_bytes(64 * 1024);
+        let dag = Dag::<(u64, Vec<u8>)>::new();
+        let input = dag.input();
+        let g = dag
+            .compile(
+                (a.echo(input.arg::<0>()), b.digest(input.arg::<1>())),
+                small.clone(),
+            )
+            .unwrap();
+        match g.execute((1, vec![7; 200_000])) {
+            Err(Error::MessageTooLarge { edge, limit, .. }) => {
+                assert_eq!((edge.as_str(), limit), ("input[1]", 64 * 1024))
+            }
+            other => panic!(
+                "[{p:?}] expected MessageTooLarge, got {:?}",
+                other.map(|_| ())
+            ),
+        }
+        g.teardown().unwrap();
+        let dag = Dag::<Req>::new();
+        let k = dag.input().field("k", |r: &Req| r.k.clone());
+        let g = dag.compile(a.strlen(&k), small.clone()).unwrap();
+        let big = Req {
+            k: "x".repeat(100_000),
+            v: 0,
+        };
+        match g.execute(big) {
+            Err(Error::MessageTooLarge { edge, .. }) => assert_eq!(edge, "input.k"),
+            other => panic!(
+                "[{p:?}] expected MessageTooLarge, got {:?}",
+                other.map(|_| ())
+            ),
+        }
+        assert_eq!(
+            g.execute(Req {
+                k: "abc".into(),
+                v: 0
+            })
+            .unwrap()
+            .get()
+            .unwrap(),
+            3,
+            "[{p:?}] the graph goes on"
+        );
+        g.teardown().unwrap();
+        let sink = rt
+            .spawn::<Sink>(p, ())
+            .unwrap_or_else(|e| panic!("[{p:?}] spawn Sink: {e}"));
+        let dag = Dag::<NoWire>::new();
+        let g = dag.compile(sink.take(dag.input()), small).unwrap();
+        match g.execute(NoWire) {
+            Err(Error::Codec { op, ty, place, .. }) => {
+                assert_eq!(op, "encode", "[{p:?}]");
+                assert!(ty.contains("NoWire"), "[{p:?}] {ty}");
+                assert!(place.starts_with("input"), "[{p:?}] {place}");
+            }
+            other => panic!("[{p:?}] expected Error::Codec, got {:?}", other.map(|_| ())),
+        }
+    });
+}
+
+/// A method's `Err` keeps its whole chain (anyhow contexts, `source()`s) and its type name,
+/// in graphs (sync and async) and one-off calls; a plain `String` error keeps working.
+#[test]
+fn method_errors_keep_their_chain_and_type() {
+    each_placement("method_errors_keep_their_chain_and_type", |p| {
+        let rt = Runtime::new().unwrap();
+        let w = named_worker(&rt, p, "chain", 0);
+        #[track_caller]
+        fn check(e: Error, chain: &[&str], ty: &str, p: Placement) {
+            let text = e.to_string();
+            match e {
+                Error::Task {
+                    actor,
+                    message,
+                    chain: got,
+                    error_type,
+                    backtrace,
+                    ..
+                } => {
+                    assert_eq!(actor, "chain", "[{p:?}]");
+                    assert_eq!(&*got, chain, "[{p:?}] {text}");
+                    assert_eq!(message, chain.join(": "), "[{p:?}]");
+                    let error_type = error_type.unwrap_or_default();
+                    let error_type = &*error_type;
+                    assert!(error_type.contains(ty), "[{p:?}] {error_type}");
+                    assert!(backtrace.is_none(), "[{p:?}] no backtrace for an Err");
+                    for c in chain {
+                        assert!(text.contains(c), "[{p:?}] Display shows {c}: {text}");
+                    }
+                }
+                other => panic!("[{p:?}] expected Error::Task, got {other:?}"),
+            }
+        }
+        let anyhow_chain = ["step failed", "loading shard 3", "file 3.bin is missing"];
+        let std_chain = ["shard 13 unreadable", "disk says no"];
+        // One-off calls.
+        check(
+            w.call().layered(3).unwrap_err(),
+            &anyhow_chain,
+            "anyhow::Error",
+            p,
+        );
+        check(w.call().shard(13).unwrap_err(), &std_chain, "ShardError", p);
+        check(
+            w.call().checked(3).unwrap_err(),
+            &["bad input 3"],
+            "String",
+            p,
+        );
+        assert_eq!(w.call().layered(4).unwrap(), 4, "[{p:?}]");
+        // A graph, sync.
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let g = dag.compile((w.layered(&x), w.shard(&x)), opts()).unwrap();
+        let (l, s) = g.execute(3).unwrap();
+        check(l.get().unwrap_err(), &anyhow_chain, "anyhow::Error", p);
+        assert_eq!(s.get().unwrap(), 3, "[{p:?}]");
+        let (l, s) = g.execute(13).unwrap();
+        check(
+            l.get().unwrap_err(),
+            &["step failed", "loading shard 13", "file 13.bin is missing"],
+            "anyhow::Error",
+            p,
+        );
+        check(s.get().unwrap_err(), &std_chain, "ShardError", p);
+        g.teardown().unwrap();
+        // A graph, async.
+        let dag = Dag::<u64>::new();
+        let g = dag
+            .compile(w.layered(dag.input()), opts().enable_asyncio(true))
+            .unwrap();
+        let e = tokio_rt()
+            .block_on(async { g.execute_async(3).await.unwrap().await })
+            .unwrap_err();
+        check(e, &anyhow_chain, "anyhow::Error", p);
+    });
+}
+
+/// A panic's backtrace comes back with the error exactly when the user's `RUST_BACKTRACE`
+/// asks for one: this test runs itself again as a child process with `RUST_BACKTRACE=1`
+/// (workers inherit the value instead of being forced to 0).
+#[test]
+fn panic_backtrace_follows_rust_backtrace() {
+    const CHILD: &str = "ADAG_BEHAVIOUR_BACKTRACE_CHILD";
+    let wants = |v: Option<String>| v.is_some_and(|v| v != "0");
+    let asked = wants(std::env::var("RUST_LIB_BACKTRACE").ok())
+        || (std::env::var("RUST_LIB_BACKTRACE").is_err()
+            && wants(std::env::var("RUST_BACKTRACE").ok()));
+    each_placement("panic_backtrace_follows_rust_backtrace", move |p| {
+        let rt = Runtime::new().unwrap();
+        let w = worker(&rt, p, 0);
+        let one_off = w.call().boom(13).unwrap_err();
+        let dag = Dag::<u64>::new();
+        let g = dag.compile(w.boom(dag.input()), opts()).unwrap();
+        for e in [one_off, g.execute(13).unwrap().get().unwrap_err()] {
+            match &e {
+                Error::Task {
+                    message,
+                    error_type,
+                    backtrace,
+                    ..
+                } => {
+                    assert!(message.contains("boom at 13"), "[{p:?}] {message}");
+                    assert!(error_type.is_none(), "[{p:?}] a panic has no error type");
+                    if asked {
+                        let bt = backtrace.as_deref().unwrap_or_default();
+                        assert!(bt.contains("panic"), "[{p:?}] a backtrace: {bt}");
+                        assert!(e.to_string().contains(bt), "[{p:?}] shown");
+                    } else {
+                        assert!(backtrace.is_none(), "[{p:?}] none unless asked");
+                    }
+                }
+                other => panic!("[{p:?}] expected Error::Task, got {other:?}"),
+            }
+        }
+    });
+    if std::env::var(CHILD).is_err() && !asked {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "panic_backtrace_follows_rust_backtrace",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .env("RUST_BACKTRACE", "1")
+            .env_remove("RUST_LIB_BACKTRACE")
+            .output()
+            .expect("run the test again as a child");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "the child with RUST_BACKTRACE=1 failed:\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }

@@ -713,6 +713,7 @@ fn panic_every_tenth_call_is_a_task_error() {
                             actor,
                             method,
                             message,
+                            ..
                         }) => {
                             assert_eq!(
                                 (actor.as_str(), method.as_str()),
@@ -1682,6 +1683,7 @@ fn messages_over_the_ceiling_are_typed_errors() {
                     actor,
                     method,
                     message,
+                    ..
                 } => {
                     assert_eq!(
                         (actor.as_str(), method.as_str()),

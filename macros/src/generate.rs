@@ -255,12 +255,28 @@ fn constructor(model: &ActorModel) -> (TokenStream, TokenStream) {
                 call = quote! { ::adag::__private::block_on(#call) };
             }
             let value = if *fallible {
-                quote! { #call.map_err(|e| ::std::string::ToString::to_string(&e)) }
+                let to_error = method_error();
+                quote! { #call.map_err(#to_error).map_err(|e| e.text()) }
             } else {
                 quote! { ::core::result::Result::Ok(#call) }
             };
             let body = quote! { #unpack #value };
             (init_ty, signature(param, body))
+        }
+    }
+}
+
+/// The closure that turns a method's `Err(e)` into `adag::__private::MethodError`: the whole
+/// chain when `e` is an error (or holds one, like `anyhow::Error`), else its text; always its
+/// type name (see `adag::error::error_kind`).
+pub(crate) fn method_error() -> TokenStream {
+    quote! {
+        |__adag_e| {
+            #[allow(unused_imports)]
+            use ::adag::__private::error_kind::{
+                ViaDisplay as _, ViaDynError as _, ViaDynSendError as _, ViaStdError as _,
+            };
+            (&&&&::adag::__private::error_kind::Wrap(&__adag_e)).__adag_method_error()
         }
     }
 }
@@ -287,7 +303,8 @@ fn method_entry(self_ty: &Type, m: &Method) -> TokenStream {
         call = quote! { ::adag::__private::block_on(#call) };
     }
     let body = if output.fallible {
-        quote! { #call.map_err(|e| ::std::string::ToString::to_string(&e)) }
+        let to_error = method_error();
+        quote! { #call.map_err(#to_error) }
     } else if output.unit {
         quote! { { #call; ::core::result::Result::Ok(()) } }
     } else {

@@ -29,6 +29,11 @@ fn expand_ok(item: TokenStream) -> String {
     squash(&expand_file(item).to_token_stream().to_string())
 }
 
+/// The closure `#[actor]` puts in `map_err` for a fallible method, as text.
+fn method_error() -> String {
+    crate::generate::method_error().to_string()
+}
+
 #[track_caller]
 fn assert_has(out: &str, fragment: &str) {
     let fragment = squash(fragment);
@@ -181,7 +186,8 @@ fn golden_stage() {
                 ::core::result::Result::Ok(__adag_this.pair(a, b)),)",
         "::adag::__private::method::<Stage, (u64,), u64>(\"check\", &[\"v\"],
             |__adag_this: &mut Stage, (v,): (u64,)|
-                __adag_this.check(v).map_err(|e| ::std::string::ToString::to_string(&e)),)",
+                __adag_this.check(v).map_err(|__adag_e| {",
+        "(&&&&::adag::__private::error_kind::Wrap(&__adag_e)).__adag_method_error() }),)",
         "::adag::__private::method::<Stage, (), ()>(\"ping\", &[],
             |__adag_this: &mut Stage, (): ()| { __adag_this.ping(); ::core::result::Result::Ok(()) },)",
         "::adag::__private::method::<Stage, (u32,), u32>(\"fetch\", &[\"k\"],
@@ -335,7 +341,8 @@ fn result_returns() {
         squash(&format!(
             "::adag::__private::method::<A, (u32,), {ok}>(\"f\", &[\"v\"],
                 |__adag_this: &mut A, (v,): (u32,)|
-                    __adag_this.f(v).map_err(|e| ::std::string::ToString::to_string(&e)),)"
+                    __adag_this.f(v).map_err({}),)",
+            method_error()
         ))
     };
     assert_eq!(
@@ -413,8 +420,11 @@ fn async_methods() {
     );
     assert_has(
         &entry_of(quote! { async fn f(&self, k: u32) -> Result<u32, E> { Ok(k) } }),
-        "|__adag_this: &mut A, (k,): (u32,)| ::adag::__private::block_on(__adag_this.f(k))
-            .map_err(|e| ::std::string::ToString::to_string(&e)),",
+        &format!(
+            "|__adag_this: &mut A, (k,): (u32,)| ::adag::__private::block_on(__adag_this.f(k))
+            .map_err({}),",
+            method_error()
+        ),
     );
     assert_has(
         &entry_of(quote! { async fn f(&self) {} }),
@@ -622,7 +632,10 @@ fn fallible_constructors() {
     assert_eq!(init, "Cfg");
     assert_has(
         &construct,
-        "{ A::new(init).map_err(|e| ::std::string::ToString::to_string(&e)) }",
+        &format!(
+            "{{ A::new(init).map_err({}).map_err(|e| e.text()) }}",
+            method_error()
+        ),
     );
     let (init, construct) = construct_of(quote! {
         impl A { pub fn new() -> anyhow::Result<A> { todo!() } }
@@ -630,7 +643,10 @@ fn fallible_constructors() {
     assert_eq!(init, "()");
     assert_has(
         &construct,
-        "{ A::new().map_err(|e| ::std::string::ToString::to_string(&e)) }",
+        &format!(
+            "{{ A::new().map_err({}).map_err(|e| e.text()) }}",
+            method_error()
+        ),
     );
 }
 
@@ -641,8 +657,11 @@ fn async_constructor() {
     });
     assert_has(
         &construct,
-        "{ let (a, b) = init; ::adag::__private::block_on(A::new(a, b))
-            .map_err(|e| ::std::string::ToString::to_string(&e)) }",
+        &format!(
+            "{{ let (a, b) = init; ::adag::__private::block_on(A::new(a, b))
+            .map_err({}).map_err(|e| e.text()) }}",
+            method_error()
+        ),
     );
 }
 

@@ -172,11 +172,7 @@ impl Drop for CommGuard {
 }
 
 fn task_error(actor: &str, method: impl Into<String>, message: String) -> Msg<Tensor> {
-    Msg::Error(Arc::new(TaskError {
-        actor: actor.to_string(),
-        method: method.into(),
-        message,
-    }))
+    Msg::Error(Arc::new(TaskError::new(actor, method, message)))
 }
 
 /// Whether a failed call may have left the ranks out of step.

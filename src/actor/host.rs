@@ -54,11 +54,7 @@ pub(crate) struct RunRequest {
 
 pub(crate) fn call_failure(actor: &str, method: &str, failure: CallFailure) -> Error {
     match failure {
-        CallFailure::Task(message) => Error::Task {
-            actor: actor.to_string(),
-            method: method.to_string(),
-            message,
-        },
+        CallFailure::Task(cause) => cause.into_error(actor, method),
         CallFailure::NoSuchMethod => Error::Call {
             actor: actor.to_string(),
             method: method.to_string(),

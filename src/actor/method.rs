@@ -1,6 +1,6 @@
 //! Method tables and the typed operations built from a schedule.
 //!
-//! `#[actor]` registers each method as a plain `fn(&mut A, Args) -> Result<R, String>`; the
+//! `#[actor]` registers each method as a plain `fn(&mut A, Args) -> Result<R, MethodError>`; the
 //! generic code here turns it into the operations of an actor's schedule. All type dispatch
 //! happens once, when the schedule is installed: the loop then runs boxed closures over
 //! typed slots and channels, with no lookup by name.
@@ -9,7 +9,7 @@ use crate::channel::slot::LocalSlot;
 use crate::channel::{ChanError, ChannelReader, ChannelWriter, Msg};
 use crate::compile::plan::{ArgSource, GraphPlan, Loc};
 use crate::dag::MethodSig;
-use crate::error::TaskError;
+use crate::error::{MethodError, TaskError};
 use crate::value::{TypeTag, Value, decode, encode};
 use std::any::Any;
 use std::collections::HashMap;
@@ -25,7 +25,7 @@ pub(crate) type Op<A> = Box<dyn FnMut(&mut A) -> Result<(), ChanError>>;
 pub(crate) enum CallFailure {
     NoSuchMethod,
     BadArgs(String),
-    Task(String),
+    Task(MethodError),
 }
 
 /// One exported method of an actor type.
@@ -69,7 +69,7 @@ pub(crate) trait ErasedMethod<A>: Send + Sync {
 
 struct Method<A, Args, R> {
     name: &'static str,
-    f: fn(&mut A, Args) -> Result<R, String>,
+    f: fn(&mut A, Args) -> Result<R, MethodError>,
     split: Option<SplitFn<A>>,
 }
 
@@ -78,7 +78,7 @@ type SplitFn<A> = fn(&mut TaskBuilder<'_, A>, u64, u64, usize) -> Result<Op<A>, 
 fn entry<A: 'static, Args: ArgTuple, R: Value>(
     name: &'static str,
     arg_names: &'static [&'static str],
-    f: fn(&mut A, Args) -> Result<R, String>,
+    f: fn(&mut A, Args) -> Result<R, MethodError>,
     split: Option<SplitFn<A>>,
 ) -> MethodEntry<A> {
     MethodEntry {
@@ -92,7 +92,7 @@ fn entry<A: 'static, Args: ArgTuple, R: Value>(
 pub fn method<A: 'static, Args: ArgTuple, R: Value>(
     name: &'static str,
     arg_names: &'static [&'static str],
-    f: fn(&mut A, Args) -> Result<R, String>,
+    f: fn(&mut A, Args) -> Result<R, MethodError>,
 ) -> MethodEntry<A> {
     entry(name, arg_names, f, None)
 }
@@ -101,9 +101,43 @@ pub fn method<A: 'static, Args: ArgTuple, R: Value>(
 pub fn method_split<A: 'static, Args: ArgTuple, R: SplitTuple>(
     name: &'static str,
     arg_names: &'static [&'static str],
-    f: fn(&mut A, Args) -> Result<R, String>,
+    f: fn(&mut A, Args) -> Result<R, MethodError>,
 ) -> MethodEntry<A> {
     entry(name, arg_names, f, Some(R::build_split::<A>))
+}
+
+/// What a method's panic becomes: its text and, when `RUST_BACKTRACE` (or
+/// `RUST_LIB_BACKTRACE`) asks for one, the backtrace the panic hook captured.
+pub(crate) fn panic_failure(payload: Box<dyn Any + Send>) -> MethodError {
+    MethodError {
+        chain: vec![panic_text(payload)],
+        error_type: None,
+        backtrace: LAST_BACKTRACE.with(|b| b.borrow_mut().take()),
+    }
+}
+
+thread_local! {
+    /// The backtrace of this thread's latest panic (set by the hook of `capture_backtraces`).
+    static LAST_BACKTRACE: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Install, once per process, a panic hook that keeps the panic's backtrace for
+/// `panic_failure` and then runs the hook that was there before (by default the one that
+/// prints the panic). `catch_unwind` hands over only the payload, so the hook is the one place
+/// where the panicking stack can still be walked. `Backtrace::capture` costs nothing unless
+/// the user's environment asks for backtraces.
+pub(crate) fn capture_backtraces() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let bt = std::backtrace::Backtrace::capture();
+            if bt.status() == std::backtrace::BacktraceStatus::Captured {
+                LAST_BACKTRACE.with(|b| *b.borrow_mut() = Some(bt.to_string()));
+            }
+            previous(info)
+        }));
+    });
 }
 
 pub(crate) fn panic_text(payload: Box<dyn Any + Send>) -> String {
@@ -118,10 +152,11 @@ pub(crate) fn panic_text(payload: Box<dyn Any + Send>) -> String {
 
 impl<A: 'static, Args: ArgTuple, R: Value> Method<A, Args, R> {
     fn invoke(&self, actor: &mut A, args: Args) -> Result<R, CallFailure> {
+        capture_backtraces();
         match catch_unwind(AssertUnwindSafe(|| (self.f)(actor, args))) {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(CallFailure::Task(e)),
-            Err(p) => Err(CallFailure::Task(panic_text(p))),
+            Err(p) => Err(CallFailure::Task(panic_failure(p))),
         }
     }
 }
@@ -158,7 +193,11 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
             ))
         })?;
         let r = self.invoke(actor, args)?;
-        encode(&r).map_err(|e| CallFailure::Task(format!("cannot encode the result: {e}")))
+        encode(&r).map_err(|e| {
+            CallFailure::Task(MethodError::message(format!(
+                "cannot encode the result: {e}"
+            )))
+        })
     }
 
     fn build(
@@ -167,6 +206,7 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
         node: u64,
         args: &[ArgSource],
     ) -> Result<Op<A>, String> {
+        capture_backtraces();
         let readers = Args::build(b, args)?;
         let out = b.output::<R>(node, self.name)?;
         let f = self.f;
@@ -177,16 +217,14 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
                 Err(upstream) => Msg::Error(upstream),
                 Ok(args) => match catch_unwind(AssertUnwindSafe(|| f(actor, args))) {
                     Ok(Ok(v)) => Msg::Value(v),
-                    Ok(Err(message)) => Msg::Error(Arc::new(TaskError {
-                        actor: actor_name.clone(),
-                        method: method.to_string(),
-                        message,
-                    })),
-                    Err(p) => Msg::Error(Arc::new(TaskError {
-                        actor: actor_name.clone(),
-                        method: method.to_string(),
-                        message: panic_text(p),
-                    })),
+                    Ok(Err(cause)) => {
+                        Msg::Error(Arc::new(TaskError::of_method(&actor_name, method, cause)))
+                    }
+                    Err(p) => Msg::Error(Arc::new(TaskError::of_method(
+                        &actor_name,
+                        method,
+                        panic_failure(p),
+                    ))),
                 },
             };
             out.put(msg);
@@ -437,21 +475,21 @@ impl<'a, A> TaskBuilder<'a, A> {
                     match writer.write(msg, None) {
                         // The value cannot travel; its readers get an error instead.
                         Err(ChanError::TooLarge { size, limit }) => writer.write(
-                            Msg::Error(Arc::new(TaskError {
-                                actor: actor.clone(),
-                                method: method.to_string(),
-                                message: format!(
+                            Msg::Error(Arc::new(TaskError::new(
+                                actor.clone(),
+                                method.to_string(),
+                                format!(
                                     "the output of {label} is {size} bytes, over the ceiling of {limit} bytes; raise CompileOptions::max_message_bytes"
                                 ),
-                            })),
+                            ))),
                             None,
                         ),
                         Err(ChanError::Codec(reason)) => writer.write(
-                            Msg::Error(Arc::new(TaskError {
-                                actor: actor.clone(),
-                                method: method.to_string(),
-                                message: format!("the output of {label} cannot be sent: {reason}"),
-                            })),
+                            Msg::Error(Arc::new(TaskError::new(
+                                actor.clone(),
+                                method.to_string(),
+                                format!("the output of {label} cannot be sent: {reason}"),
+                            ))),
                             None,
                         ),
                         other => other,

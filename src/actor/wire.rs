@@ -53,7 +53,7 @@ pub(crate) struct CommTicket {
 pub(crate) enum WireFailure {
     NoSuchMethod,
     BadArgs(String),
-    Task(String),
+    Task(crate::error::MethodError),
 }
 
 /// Replies and events from the worker.

@@ -149,7 +149,9 @@ fn every_message_round_trips() {
         FromWorker::CallResult(Ok(big_args)),
         FromWorker::CallResult(Err(WireFailure::NoSuchMethod)),
         FromWorker::CallResult(Err(WireFailure::BadArgs("x".into()))),
-        FromWorker::CallResult(Err(WireFailure::Task("panicked".into()))),
+        FromWorker::CallResult(Err(WireFailure::Task(crate::error::MethodError::message(
+            "panicked",
+        )))),
         FromWorker::Installed(Err("no".into())),
         FromWorker::GraphDone("closed".into()),
     ];

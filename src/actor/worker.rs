@@ -125,7 +125,6 @@ fn spawn_child(name: &str, child_sock: OwnedFd) -> std::io::Result<Child> {
     cmd.env(ENV_FD, WORKER_FD.to_string())
         .env(ENV_PARENT, std::process::id().to_string())
         .env(ENV_NAME, name)
-        .env("RUST_BACKTRACE", "0")
         .stdin(std::process::Stdio::null());
     let raw = child_sock.as_raw_fd();
     let parent = std::process::id() as i32;

@@ -94,11 +94,7 @@ fn a_stale_struct_layout_is_a_codec_error() {
 fn task_error_frames_arrive_as_errors_and_values_still_decode() {
     let pc = chans(4);
     let (mut w, mut r) = typed_pair::<ReplyV2, ReplyV2>(&pc);
-    let e = Arc::new(TaskError {
-        actor: "a".into(),
-        method: "m".into(),
-        message: "boom".into(),
-    });
+    let e = Arc::new(TaskError::new("a", "m", "boom"));
     let v = ReplyV2 {
         id: 3,
         name: "n".into(),

@@ -1,6 +1,6 @@
 //! Compilation: validate a graph, plan one channel per edge and one schedule per actor.
 use crate::dag::{ActorRef, ArgInner, DagInner, InputKind, NodeInner, NodeKind};
-use crate::error::{Error, Result};
+use crate::error::{CompileProblem, Error, Result};
 use plan::{
     ActorPlan, ArgSource, ChannelKind, ChannelPlan, EdgePlan, GraphPlan, Loc, OpSpec, Place, Stage,
 };
@@ -39,17 +39,22 @@ pub(crate) fn plan(
     opts: &CompileOptions,
     graph: u64,
 ) -> Result<Planned> {
-    let depth = opts.max_inflight_executions;
+    opts.validate()?;
+    // Checked first: while it runs, the first graph's nodes would otherwise be reported as
+    // unused, or its actors as busy, which hides the cause.
+    if let Some(live) = dag.live_compiled() {
+        return Err(Error::compile(
+            "outputs",
+            format!(
+                "this Dag (#{}) is already compiled: compiled graph #{live} was compiled from it and is still live; tear graph #{live} down first (CompiledGraph::teardown, or drop it), or build the second graph on a new Dag",
+                dag.id
+            ),
+        ));
+    }
     if outputs.is_empty() {
         return Err(Error::compile(
             "outputs",
             "no output was given; pass a node, a tuple or a Vec of nodes",
-        ));
-    }
-    if depth == 0 {
-        return Err(Error::compile(
-            "options",
-            "max_inflight_executions must be at least 1",
         ));
     }
     // Every node reachable from the outputs.
@@ -62,54 +67,72 @@ pub(crate) fn plan(
         stack.extend(n.upstream().into_iter().cloned());
         nodes.insert(n.id, n);
     }
+    // Every problem is collected, so that one compile reports them all: those of tasks
+    // first, then those of input nodes (whose labels say less).
+    let mut problems: Vec<CompileProblem> = Vec::new();
+    let mut input_problems: Vec<CompileProblem> = Vec::new();
+    let mut collectives_seen: HashSet<u64> = HashSet::new();
     for n in nodes.values() {
-        check_node(dag, n)?;
+        let out = if matches!(n.kind, NodeKind::Input(_)) {
+            &mut input_problems
+        } else {
+            &mut problems
+        };
+        check_node(dag, n, out);
+        check_collective(n, &nodes, &mut collectives_seen, out);
     }
-    for n in nodes.values() {
-        check_collective(n, &nodes)?;
-    }
-    let input = dag.input.lock().clone();
-    let Some(_) = input else {
-        return Err(Error::compile(
-            "input",
-            "the graph has no input node; call dag.input() and bind it to a task",
-        ));
+    let mut problem = |node: String, message: &str| {
+        problems.push(CompileProblem {
+            node,
+            message: message.to_string(),
+        })
     };
+    if dag.input.lock().is_none() {
+        problem(
+            "input".into(),
+            "the graph has no input node; call dag.input() and bind it to a task",
+        );
+    }
     for out in outputs {
         if let NodeKind::Input(_) = out.kind {
-            return Err(Error::compile(
+            problem(
                 out.describe(),
                 "an output is the graph's input itself, which no actor computes; pass it through an actor method",
-            ));
+            );
         }
     }
-    if !nodes.values().any(|n| matches!(n.kind, NodeKind::Input(_))) {
-        return Err(Error::compile(
-            "input",
+    if dag.input.lock().is_some() && !nodes.values().any(|n| matches!(n.kind, NodeKind::Input(_))) {
+        problem(
+            "input".into(),
             "the input node is not used by any task; bind it (or its parts) to a task",
-        ));
+        );
     }
     // Nodes created in this graph that no output depends on (Ray's leaf nodes).
-    for weak in dag.nodes.lock().iter() {
-        let Some(n) = weak.upgrade() else { continue };
+    let created: Vec<Arc<NodeInner>> = dag
+        .nodes
+        .lock()
+        .iter()
+        .filter_map(|w| w.upgrade())
+        .collect();
+    for n in created {
         if nodes.contains_key(&n.id) {
             continue;
         }
         match &n.kind {
             NodeKind::Input(InputKind::Whole) => {}
-            NodeKind::Input(_) => {
-                return Err(Error::compile(
-                    n.describe(),
-                    "this input part is never used; bind it to a task, or drop it before compiling",
-                ));
-            }
-            _ => {
-                return Err(Error::compile(
-                    n.describe(),
-                    "no output depends on this node; add it to the outputs (a tuple or Vec of nodes), or drop it before compiling",
-                ));
-            }
+            NodeKind::Input(_) => problem(
+                n.describe(),
+                "this input part is never used; bind it to a task, or drop it before compiling",
+            ),
+            _ => problem(
+                n.describe(),
+                "no output depends on this node; add it to the outputs (a tuple or Vec of nodes), or drop it before compiling",
+            ),
         }
+    }
+    problems.append(&mut input_problems);
+    if !problems.is_empty() {
+        return Err(Error::compile_all(problems));
     }
     let mut actors: Vec<ActorRef> = Vec::new();
     for n in nodes.values() {
@@ -130,30 +153,48 @@ pub(crate) fn plan(
 
 /// A collective runs only if every actor takes part: each of its outputs must be part of the
 /// graph.
-fn check_collective(n: &Arc<NodeInner>, nodes: &BTreeMap<u64, Arc<NodeInner>>) -> Result<()> {
+fn check_collective(
+    n: &Arc<NodeInner>,
+    nodes: &BTreeMap<u64, Arc<NodeInner>>,
+    seen: &mut HashSet<u64>,
+    problems: &mut Vec<CompileProblem>,
+) {
     let NodeKind::Collective { group, .. } = &n.kind else {
-        return Ok(());
+        return;
     };
+    // A collective's problems are its group's: reported once, at its first output.
+    if !seen.insert(group.id) {
+        return;
+    }
     if let Some(e) = &group.error {
-        return Err(Error::compile(n.describe(), e.clone()));
+        problems.push(CompileProblem {
+            node: n.describe(),
+            message: e.clone(),
+        });
+        return;
     }
     let names = group.actor_names();
     for (i, out) in group.outputs.lock().iter().enumerate() {
         let reached = out.upgrade().is_some_and(|o| nodes.contains_key(&o.id));
         if !reached {
-            return Err(Error::compile(
-                n.describe(),
-                format!(
+            problems.push(CompileProblem {
+                node: n.describe(),
+                message: format!(
                     "the output of this collective on actor {} (input {i}) is not used by the graph, but every actor of a collective must take part; use each of its outputs (as an output of the graph or an argument of a task)",
                     names.get(i).cloned().unwrap_or_default()
                 ),
-            ));
+            });
         }
     }
-    Ok(())
 }
 
-fn check_node(dag: &Arc<DagInner>, n: &Arc<NodeInner>) -> Result<()> {
+fn check_node(dag: &Arc<DagInner>, n: &Arc<NodeInner>, problems: &mut Vec<CompileProblem>) {
+    let mut problem = |message: String| {
+        problems.push(CompileProblem {
+            node: label(n, dag),
+            message,
+        })
+    };
     if let NodeKind::Method {
         actor,
         method,
@@ -161,92 +202,79 @@ fn check_node(dag: &Arc<DagInner>, n: &Arc<NodeInner>) -> Result<()> {
     } = &n.kind
     {
         if !args.iter().any(|a| matches!(a.0, ArgInner::Node(_))) {
-            return Err(Error::compile(
-                n.describe(),
-                "this task does not depend on the graph's input; bind at least one argument to the input or to a node that reads it",
-            ));
+            problem(
+                "this task does not depend on the graph's input; bind at least one argument to the input or to a node that reads it".into(),
+            );
         }
-        let Some(sig) = actor.signature(method) else {
-            return Err(Error::compile(
-                n.describe(),
-                format!(
-                    "actor {} has no method `{method}`; its methods are: {}",
-                    actor.name(),
-                    actor.method_names().join(", ")
-                ),
-            ));
-        };
-        if sig.args.len() != args.len() {
-            return Err(Error::compile(
-                n.describe(),
-                format!(
-                    "`{method}` takes {} arguments but {} were bound",
-                    sig.args.len(),
-                    args.len()
-                ),
-            ));
-        }
-        for (i, (want, arg)) in sig.args.iter().zip(args).enumerate() {
-            let have = arg.type_tag();
-            if *want != have {
-                let from = match &arg.0 {
-                    ArgInner::Node(up) => format!("node {}", up.describe()),
-                    ArgInner::Const(_) => "a constant".to_string(),
-                };
-                let name = sig.names.get(i).copied().unwrap_or("?");
-                return Err(Error::compile(
-                    n.describe(),
-                    format!(
-                        "argument {i} (`{name}`) of `{method}` has type {} but {from} gives {}; bind a value of the right type",
-                        want.name(),
-                        have.name()
-                    ),
-                ));
+        match actor.signature(method) {
+            None => problem(format!(
+                "actor {} has no method `{method}`; its methods are: {}",
+                actor.name(),
+                actor.method_names().join(", ")
+            )),
+            Some(sig) if sig.args.len() != args.len() => problem(format!(
+                "`{method}` takes {} arguments but {} were bound",
+                sig.args.len(),
+                args.len()
+            )),
+            Some(sig) => {
+                for (i, (want, arg)) in sig.args.iter().zip(args).enumerate() {
+                    let have = arg.type_tag();
+                    if *want != have {
+                        let from = match &arg.0 {
+                            ArgInner::Node(up) => format!("node {}", label(up, dag)),
+                            ArgInner::Const(_) => "a constant".to_string(),
+                        };
+                        let name = sig.names.get(i).copied().unwrap_or("?");
+                        problem(format!(
+                            "argument {i} (`{name}`) of `{method}` has type {} but {from} gives {}; bind a value of the right type",
+                            want.name(),
+                            have.name()
+                        ));
+                    }
+                }
+                if sig.ret != n.ty {
+                    problem(format!(
+                        "`{method}` returns {} but the node was typed {}",
+                        sig.ret.name(),
+                        n.ty.name()
+                    ));
+                }
             }
-        }
-        if sig.ret != n.ty {
-            return Err(Error::compile(
-                n.describe(),
-                format!(
-                    "`{method}` returns {} but the node was typed {}",
-                    sig.ret.name(),
-                    n.ty.name()
-                ),
-            ));
         }
         for a in args {
             if let ArgInner::Const(c) = &a.0
                 && let Err(e) = &c.bytes
             {
-                return Err(Error::compile(
-                    n.describe(),
-                    format!("a constant argument cannot be encoded: {e}"),
-                ));
+                problem(format!("a constant argument cannot be encoded: {e}"));
             }
         }
     }
     if let Some(other) = n.foreign {
-        return Err(Error::compile(
-            n.describe(),
-            format!(
-                "this node mixes nodes of graph #{} and graph #{other}; build each graph from its own input",
-                dag.id
-            ),
+        problem(format!(
+            "this node mixes nodes of graph #{} and graph #{other}; build each graph from its own input",
+            dag.id
         ));
+        return;
     }
     match &n.dag {
-        Some(d) if d.id == dag.id => Ok(()),
-        Some(d) => Err(Error::compile(
-            n.describe(),
-            format!(
-                "this node belongs to graph #{}, not to graph #{} being compiled; compile it with its own Dag",
-                d.id, dag.id
-            ),
+        Some(d) if d.id == dag.id => {}
+        Some(d) => problem(format!(
+            "this node belongs to graph #{}, not to graph #{} being compiled; compile it with its own Dag",
+            d.id, dag.id
         )),
-        None => Err(Error::compile(
-            n.describe(),
-            "this node belongs to no graph",
-        )),
+        None => problem("this node belongs to no graph".into()),
+    }
+}
+
+/// A node's label in compile errors: `actor.method#id`, and for an input node of another
+/// graph, which graph (`input of graph #3`), since every graph's input is called `input`.
+fn label(n: &NodeInner, dag: &DagInner) -> String {
+    match (&n.kind, &n.dag) {
+        (NodeKind::Input(_), Some(d)) if d.id != dag.id => {
+            format!("{} of graph #{}", n.describe(), d.id)
+        }
+        _ => n.describe(),
     }
 }
 

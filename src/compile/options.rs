@@ -36,6 +36,10 @@ impl std::fmt::Debug for DefaultCommunicator {
 /// The options of [`Dag::compile`](crate::Dag::compile). Every option of Ray's
 /// `experimental_compile` has a field here; the defaults are Ray's.
 ///
+/// `compile` checks every field against the range its documentation gives (also available
+/// as [`CompileOptions::validate`]) and fails with [`Error::Config`](crate::Error::Config)
+/// naming the option, the value and the range, before anything is claimed or spawned.
+///
 /// ```
 /// use adag::CompileOptions;
 /// use std::time::Duration;
@@ -49,30 +53,43 @@ impl std::fmt::Debug for DefaultCommunicator {
 #[non_exhaustive]
 pub struct CompileOptions {
     /// Longest time `execute` may block for room in an input channel (default 10 s).
-    /// `Duration::ZERO` fails at once; `Duration::MAX` waits for ever.
+    /// Any value: `Duration::ZERO` fails at once when there is no room; `Duration::MAX`
+    /// waits for ever.
     pub submit_timeout: Duration,
     /// Default deadline of `get` (default 10 s; `get_timeout` overrides it per call).
+    /// Any value: `Duration::ZERO` takes a result only if it is already there;
+    /// `Duration::MAX` waits for ever.
     pub get_timeout: Duration,
     /// Initial capacity of each channel slot in bytes (default 1 MB); larger messages grow
-    /// the channel automatically up to `max_message_bytes`.
+    /// the channel automatically up to `max_message_bytes`. Must be at least 1 and at most
+    /// `max_message_bytes` (a slot larger than the largest message allowed is never used).
     pub buffer_size_bytes: usize,
     /// Hard ceiling of one message (default 1 GiB): larger ones fail with
-    /// [`Error::MessageTooLarge`](crate::Error::MessageTooLarge).
+    /// [`Error::MessageTooLarge`](crate::Error::MessageTooLarge). Must be at least 1 and at
+    /// least `buffer_size_bytes`.
     pub max_message_bytes: usize,
-    /// Drive the graph from async code (`execute_async`).
+    /// Drive the graph from async code (`execute_async`). Either value.
     pub enable_asyncio: bool,
-    /// Executions submitted but not yet read (default 10); sizes every channel ring.
+    /// Executions submitted but not yet read (default 10); sizes every channel ring. Must be
+    /// 1 to 65,536: with 0 nothing could be submitted, and every channel holds this many
+    /// slots.
     pub max_inflight_executions: usize,
-    /// Results read but not yet claimed by their ref (default 1000).
+    /// Results read but not yet claimed by their ref (default 1000). Must be at least 1: the
+    /// driver files each result it reads here until its ref claims it, so with 0 an async
+    /// graph could never deliver one.
     pub max_buffered_results: usize,
-    /// Overlap communication of one execution with compute of the next.
+    /// Overlap communication of one execution with compute of the next. Either value.
     pub overlap_gpu_communication: bool,
-    /// The communicator for tensor edges and collectives that name none.
+    /// The communicator for tensor edges and collectives that name none. Any value; a
+    /// `Custom` group's members are checked against the graph when it compiles.
     pub default_communicator: DefaultCommunicator,
-    /// How long a waiting thread spins before it sleeps (default 50 µs).
+    /// How long a waiting thread spins before it sleeps (default 50 µs). At most 1 s:
+    /// spinning longer only burns a core that sleeping would free; `Duration::ZERO` sleeps
+    /// at once.
     pub spin: Duration,
     /// How long teardown waits for each actor's loop to stop (default 5 s); a worker process
-    /// still running then is killed.
+    /// still running then is killed. At most one day, so that teardown always ends;
+    /// `Duration::ZERO` kills a worker whose loop has not stopped at once.
     pub teardown_timeout: Duration,
 }
 
@@ -91,6 +108,77 @@ impl Default for CompileOptions {
             spin: Duration::from_micros(50),
             teardown_timeout: Duration::from_secs(5),
         }
+    }
+}
+
+/// The largest `max_inflight_executions` allowed.
+pub const MAX_INFLIGHT_EXECUTIONS: usize = 1 << 16;
+/// The longest `spin` allowed.
+pub const MAX_SPIN: Duration = Duration::from_secs(1);
+/// The longest `teardown_timeout` allowed.
+pub const MAX_TEARDOWN_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+impl CompileOptions {
+    /// Check every field against its documented range; the first one out of range is an
+    /// [`Error::Config`](crate::Error::Config) naming it, its value and the range.
+    /// `Dag::compile` calls this first.
+    ///
+    /// ```
+    /// use adag::{CompileOptions, Error};
+    /// let e = CompileOptions::default().max_buffered_results(0).validate().unwrap_err();
+    /// assert!(matches!(e, Error::Config { option: "max_buffered_results", .. }));
+    /// ```
+    pub fn validate(&self) -> crate::Result<()> {
+        use crate::Error;
+        if !(1..=MAX_INFLIGHT_EXECUTIONS).contains(&self.max_inflight_executions) {
+            return Err(Error::config(
+                "max_inflight_executions",
+                self.max_inflight_executions,
+                format!("between 1 and {MAX_INFLIGHT_EXECUTIONS}"),
+            ));
+        }
+        if self.max_buffered_results < 1 {
+            return Err(Error::config(
+                "max_buffered_results",
+                self.max_buffered_results,
+                "at least 1 (results are filed there until their ref claims them)",
+            ));
+        }
+        if self.max_message_bytes < 1 {
+            return Err(Error::config(
+                "max_message_bytes",
+                self.max_message_bytes,
+                "at least 1",
+            ));
+        }
+        if !(1..=self.max_message_bytes).contains(&self.buffer_size_bytes) {
+            return Err(Error::config(
+                "buffer_size_bytes",
+                self.buffer_size_bytes,
+                format!(
+                    "between 1 and max_message_bytes ({}); raise max_message_bytes too for larger slots",
+                    self.max_message_bytes
+                ),
+            ));
+        }
+        if self.spin > MAX_SPIN {
+            return Err(Error::config(
+                "spin",
+                self.spin,
+                format!("at most {MAX_SPIN:?}"),
+            ));
+        }
+        if self.teardown_timeout > MAX_TEARDOWN_TIMEOUT {
+            return Err(Error::config(
+                "teardown_timeout",
+                self.teardown_timeout,
+                format!("at most {MAX_TEARDOWN_TIMEOUT:?} (teardown always ends)"),
+            ));
+        }
+        // submit_timeout, get_timeout: every value has a meaning (ZERO: try once, MAX: for
+        // ever); enable_asyncio, overlap_gpu_communication: either value;
+        // default_communicator: checked against the graph by the communicator plan.
+        Ok(())
     }
 }
 

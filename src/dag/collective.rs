@@ -96,11 +96,19 @@ impl CollectiveGroup {
     }
 }
 
+#[track_caller]
 fn bind(
     inputs: &[Node<Tensor>],
     kind: CollectiveKind,
     comm: Option<CustomCommunicator>,
 ) -> Vec<Node<Tensor>> {
+    // With no input there is no node to carry the problem to `compile` (nor a graph to
+    // report it in), and the empty result would be dropped silently: fail here, at the
+    // caller's line (Ray's "Expected non-empty input list").
+    assert!(
+        !inputs.is_empty(),
+        "{kind}: no input nodes were given; a collective takes one tensor node per participating actor, so pass at least one"
+    );
     let inputs: Vec<Arc<NodeInner>> = inputs.iter().map(|n| n.inner.clone()).collect();
     let mut error = None;
     let mut dag: Option<Arc<DagInner>> = None;
@@ -191,13 +199,20 @@ fn bind(
 /// Reduce the tensors of `inputs` (one node per distinct actor) element-wise with `op`; each
 /// actor gets the whole result, as the output node at its input's position. The communicator
 /// is the compile options' default.
+///
+/// # Panics
+///
+/// When `inputs` is empty (so are the `_with` forms and the other collectives): there is no
+/// graph to report it in, and an empty collective is always a mistake.
 #[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
+#[track_caller]
 pub fn allreduce(inputs: &[Node<Tensor>], op: ReduceOp) -> Vec<Node<Tensor>> {
     bind(inputs, CollectiveKind::AllReduce(op), None)
 }
 
 /// [`allreduce`] through this communicator, whose actors must be exactly those of `inputs`.
 #[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
+#[track_caller]
 pub fn allreduce_with(
     inputs: &[Node<Tensor>],
     op: ReduceOp,
@@ -209,12 +224,14 @@ pub fn allreduce_with(
 /// Concatenate the tensors of `inputs` along dimension 0 in input order (a 0-dimensional
 /// tensor counts as one element); each actor gets the whole result.
 #[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
+#[track_caller]
 pub fn allgather(inputs: &[Node<Tensor>]) -> Vec<Node<Tensor>> {
     bind(inputs, CollectiveKind::AllGather, None)
 }
 
 /// [`allgather`] through this communicator.
 #[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
+#[track_caller]
 pub fn allgather_with(inputs: &[Node<Tensor>], comm: CustomCommunicator) -> Vec<Node<Tensor>> {
     bind(inputs, CollectiveKind::AllGather, Some(comm))
 }
@@ -222,12 +239,14 @@ pub fn allgather_with(inputs: &[Node<Tensor>], comm: CustomCommunicator) -> Vec<
 /// Reduce the tensors of `inputs` with `op` and give the `i`-th input's actor the `i`-th of
 /// `n` equal parts along dimension 0 (which must divide by `n`).
 #[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
+#[track_caller]
 pub fn reducescatter(inputs: &[Node<Tensor>], op: ReduceOp) -> Vec<Node<Tensor>> {
     bind(inputs, CollectiveKind::ReduceScatter(op), None)
 }
 
 /// [`reducescatter`] through this communicator.
 #[must_use = "the collective runs only if each of its outputs is used by a task or is an output"]
+#[track_caller]
 pub fn reducescatter_with(
     inputs: &[Node<Tensor>],
     op: ReduceOp,

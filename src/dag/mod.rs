@@ -50,6 +50,32 @@ pub(crate) struct DagInner {
     /// Every node created in this graph, for the leaf check at compile time.
     pub(crate) nodes: Mutex<Vec<Weak<NodeInner>>>,
     pub(crate) input: Mutex<Option<Arc<NodeInner>>>,
+    /// The graphs compiled from this one (id, and whether it still runs), so that compiling
+    /// it again while one is live says so, and which.
+    pub(crate) compiled: Mutex<Vec<(u64, Weak<dyn Liveness>)>>,
+}
+
+/// Whether a compiled graph still runs (implemented by the driver's graph).
+pub(crate) trait Liveness: Send + Sync {
+    fn is_live(&self) -> bool;
+}
+
+impl DagInner {
+    /// Remember graph `id`, compiled from this one; forget those gone or torn down.
+    pub(crate) fn record_compiled(&self, id: u64, graph: Weak<dyn Liveness>) {
+        let mut compiled = self.compiled.lock();
+        compiled.retain(|(_, g)| g.upgrade().is_some_and(|g| g.is_live()));
+        compiled.push((id, graph));
+    }
+
+    /// The id of a live graph compiled from this one, if any.
+    pub(crate) fn live_compiled(&self) -> Option<u64> {
+        self.compiled
+            .lock()
+            .iter()
+            .find(|(_, g)| g.upgrade().is_some_and(|g| g.is_live()))
+            .map(|(id, _)| *id)
+    }
 }
 
 impl<I: Value> Default for Dag<I> {
@@ -66,6 +92,7 @@ impl<I: Value> Dag<I> {
                 id: NEXT_DAG_ID.fetch_add(1, Ordering::Relaxed),
                 nodes: Mutex::new(Vec::new()),
                 input: Mutex::new(None),
+                compiled: Mutex::new(Vec::new()),
             }),
             _input: PhantomData,
         }

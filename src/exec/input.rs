@@ -119,6 +119,10 @@ pub(crate) trait Feeder<I>: Send {
         Ok(())
     }
     fn feed(&mut self, input: &I, deadline: Option<Instant>) -> Result<(), ChanError>;
+    /// The input part it writes, as errors name it: `input`, `input[0]`, `input.key`.
+    fn part(&self) -> &str;
+    /// The Rust type of that part.
+    fn type_name(&self) -> &'static str;
 }
 
 type Access<I, T> = Arc<dyn Fn(&I) -> T + Send + Sync>;
@@ -146,6 +150,9 @@ impl<I: Value, T: Value> InputFeed<I> for Feed<I, T> {
             access: self.access.clone(),
             check: self.check.clone(),
             writer,
+            part: plan
+                .edge(edge)
+                .map_or_else(|_| format!("input#{edge}"), |e| e.label.clone()),
         }))
     }
 }
@@ -154,6 +161,7 @@ struct PartFeeder<I, T> {
     access: Access<I, T>,
     check: Option<Check<I>>,
     writer: FanOut<T>,
+    part: String,
 }
 
 impl<I: Value, T: Value> Feeder<I> for PartFeeder<I, T> {
@@ -165,6 +173,12 @@ impl<I: Value, T: Value> Feeder<I> for PartFeeder<I, T> {
         self.writer
             .write(Msg::Value((self.access)(input)), deadline)
     }
+    fn part(&self) -> &str {
+        &self.part
+    }
+    fn type_name(&self) -> &'static str {
+        std::any::type_name::<T>()
+    }
 }
 
 /// The whole input: written by reference, so shared-memory readers cost no clone of it.
@@ -173,6 +187,12 @@ struct WholeFeeder<I>(FanOut<I>);
 impl<I: Value> Feeder<I> for WholeFeeder<I> {
     fn feed(&mut self, input: &I, deadline: Option<Instant>) -> Result<(), ChanError> {
         self.0.write_ref(input, deadline)
+    }
+    fn part(&self) -> &str {
+        "input"
+    }
+    fn type_name(&self) -> &'static str {
+        std::any::type_name::<I>()
     }
 }
 

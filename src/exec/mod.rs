@@ -170,11 +170,15 @@ impl<I: Value> crate::dag::Dag<I> {
         let planned = crate::compile::plan(&self.inner, &nodes, &opts, graph)?;
         let actors = claim_actors(&planned, graph)?;
         match start(planned, actors.clone(), specs, opts) {
-            Ok(shared) => Ok(CompiledGraph {
-                shared,
-                outputs,
-                _o: PhantomData,
-            }),
+            Ok(shared) => {
+                let live: Arc<dyn crate::dag::Liveness> = shared.clone();
+                self.inner.record_compiled(graph, Arc::downgrade(&live));
+                Ok(CompiledGraph {
+                    shared,
+                    outputs,
+                    _o: PhantomData,
+                })
+            }
             Err(e) => {
                 release_actors(&actors, graph);
                 Err(e)
@@ -416,6 +420,12 @@ impl<I: Value> DeathSink for GraphShared<I> {
     }
 }
 
+impl<I: Value> crate::dag::Liveness for GraphShared<I> {
+    fn is_live(&self) -> bool {
+        !self.torn.load(Ordering::Acquire)
+    }
+}
+
 impl<I: Value> GraphShared<I> {
     fn closed_error(&self) -> Error {
         if let Some(d) = self.death.lock().clone() {
@@ -593,19 +603,33 @@ impl<I: Value> GraphShared<I> {
         let mut written = 0;
         for feeder in sub.feeders.iter_mut() {
             if let Err(e) = feeder.feed(input, deadline) {
-                result = Err(e);
+                result = Err((e, feeder.part().to_string(), feeder.type_name()));
                 break;
             }
             written += 1;
         }
-        if let Err(e) = result {
-            let label = || format!("room in the input channels of execution {exec}");
-            let err = self.map_chan(
-                e,
-                label,
-                self.opts.submit_timeout,
-                "raise CompileOptions::submit_timeout, or get results to make room",
-            );
+        if let Err((e, part, ty)) = result {
+            let err = match e {
+                // The input could not be encoded: say so, naming the part and its type
+                // (map_chan reads a codec error as a decode on the way out).
+                ChanError::Codec(message) => Error::Codec {
+                    op: "encode",
+                    ty: ty.to_string(),
+                    place: format!("{part} of execution {exec}"),
+                    message,
+                },
+                ChanError::TooLarge { size, limit } => Error::MessageTooLarge {
+                    edge: part,
+                    size,
+                    limit,
+                },
+                e => self.map_chan(
+                    e,
+                    || format!("room in the channel of {part} (execution {exec})"),
+                    self.opts.submit_timeout,
+                    "raise CompileOptions::submit_timeout, or get results to make room",
+                ),
+            };
             if written > 0 {
                 // Part of this input went out: the channels are no longer in step.
                 drop(sub);

@@ -215,8 +215,15 @@ fn attachment(index: u32) -> Result<Bytes, String> {
 pub(crate) enum EncodeError {
     /// The frame needs this many bytes.
     TooSmall(usize),
-    /// The value cannot be encoded at all.
-    Failed(postcard::Error),
+    /// The value cannot be encoded at all: why (the reason an adag type noted, else the
+    /// encoder's text).
+    Failed(String),
+}
+
+impl EncodeError {
+    fn failed(e: postcard::Error) -> Self {
+        EncodeError::Failed(super::take_serialize_failure().unwrap_or_else(|| e.to_string()))
+    }
 }
 
 /// Where the table and each attachment of a frame go; returns the frame's total length.
@@ -236,18 +243,20 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
     value: &T,
     buf: &mut [u8],
 ) -> Result<usize, EncodeError> {
+    // A reason left over from a failure reported elsewhere must not be taken for this one.
+    let _ = super::take_serialize_failure();
     let scope = Scope::open(&ENCODING, Vec::new());
     let body = match buf.get_mut(HEADER..) {
         Some(room) => match postcard::to_slice(value, room) {
             Ok(body) => Some(body.len()),
             Err(postcard::Error::SerializeBufferFull) => None,
-            Err(e) => return Err(EncodeError::Failed(e)),
+            Err(e) => return Err(EncodeError::failed(e)),
         },
         None => None,
     };
     let Some(body) = body else {
         scope.reset();
-        let body = postcard::experimental::serialized_size(value).map_err(EncodeError::Failed)?;
+        let body = postcard::experimental::serialized_size(value).map_err(EncodeError::failed)?;
         let attachments = scope.take();
         return Err(EncodeError::TooSmall(place(body, &attachments, |_, _| ())));
     };

@@ -136,6 +136,77 @@ impl Worker {
     pub fn digest(&mut self, v: Vec<u8>) -> (u64, u64) {
         (v.len() as u64, v.iter().map(|b| *b as u64).sum())
     }
+
+    /// Fails for `x` ending in 3 with an anyhow chain: two contexts over an I/O error.
+    pub fn layered(&mut self, x: u64) -> anyhow::Result<u64> {
+        if x % 10 == 3 {
+            let root = std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("file {x}.bin is missing"),
+            );
+            return Err(anyhow::Error::new(root)
+                .context(format!("loading shard {x}"))
+                .context("step failed"));
+        }
+        Ok(x + self.k)
+    }
+
+    /// Fails for `x` ending in 3, from 13 on, with a `std::error::Error` whose source is an
+    /// I/O error.
+    pub fn shard(&mut self, x: u64) -> Result<u64, ShardError> {
+        if x >= 10 && x % 10 == 3 {
+            return Err(ShardError {
+                shard: x,
+                source: std::io::Error::new(std::io::ErrorKind::PermissionDenied, "disk says no"),
+            });
+        }
+        Ok(x + self.k)
+    }
+
+    /// A tensor whose data lives on (a pretend) `cuda:0`: 4 `f32`s.
+    pub fn on_device(&mut self, _x: u64) -> adag::Tensor {
+        adag::Tensor::from_device_buffer(
+            adag::DType::F32,
+            vec![4],
+            std::sync::Arc::new(FakeDeviceBuffer),
+        )
+        .expect("a 16-byte device buffer for 4 f32s")
+    }
+}
+
+/// A device buffer that only pretends to be on `cuda:0`.
+#[derive(Debug)]
+pub struct FakeDeviceBuffer;
+
+impl adag::tensor::DeviceBuffer for FakeDeviceBuffer {
+    fn device(&self) -> adag::Device {
+        adag::Device::Cuda(0)
+    }
+    fn nbytes(&self) -> usize {
+        16
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A shard that could not be read, caused by an I/O error.
+#[derive(Debug)]
+pub struct ShardError {
+    pub shard: u64,
+    pub source: std::io::Error,
+}
+
+impl std::fmt::Display for ShardError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "shard {} unreadable", self.shard)
+    }
+}
+
+impl std::error::Error for ShardError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
 }
 
 /// What `Worker(k).fill(n)` then `digest` gives.

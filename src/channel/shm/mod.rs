@@ -49,7 +49,7 @@ pub(crate) fn write_encoded<T: Serialize + ?Sized>(
             Ok(len) => Ok(len),
             Err(frame::EncodeError::TooSmall(needed)) => Err(needed),
             Err(frame::EncodeError::Failed(e)) => {
-                failure = Some(e.to_string());
+                failure = Some(e);
                 // Over any ceiling: the writer gives up at once, without growing.
                 Err(usize::MAX)
             }
