@@ -81,7 +81,7 @@ pub(crate) enum AgentReply {
 pub(crate) enum RemoteFailure {
     NoSuchMethod,
     BadArgs(String),
-    Task(String),
+    Task(crate::error::MethodError),
     Spawn(String),
     NoSuchActor,
     Died(String),
