@@ -25,7 +25,10 @@ pub use dag::{
     Transport,
 };
 pub use error::{Capacity, Error, Result};
-pub use exec::{CommunicatorInfo, CompiledGraph, CompiledRef, IntoOutputs, RefSet, get_all};
+pub use exec::{
+    ActorStats, CommunicatorInfo, CompiledGraph, CompiledRef, EdgeStats, GraphStats, IntoOutputs,
+    OpKind, RefSet, Timeline, TimelineEvent, get_all,
+};
 pub use tensor::{DType, Device, Element, Tensor, TensorError};
 pub use value::{TypeTag, Value};
 

@@ -3,14 +3,18 @@
 //! one place that maps a [`ChannelKind`] to its module; the actor loop and the driver then see
 //! only [`ChannelWriter`](crate::channel::ChannelWriter) and
 //! [`ChannelReader`](crate::channel::ChannelReader).
+use super::observe::EdgeCount;
 use crate::channel::local::LocalHub;
 use crate::channel::shm::{ShmChannel, ShmConfig, ShmRx, ShmTx};
-use crate::channel::{FanOut, Reader, Writer};
+use crate::channel::{EndCounters, FanOut, Reader, Writer};
 use crate::compile::plan::{ChannelKind, GraphPlan, Loc};
 use crate::error::{Error, Result};
 use crate::value::Value;
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// How the driver sizes the channels of a graph (from the compile options).
@@ -28,6 +32,9 @@ pub(crate) struct GraphChannels {
     local: LocalHub,
     /// The shared-memory channels mapped here, by channel id.
     shm: HashMap<u64, ShmChannel>,
+    /// The counters of every writer opened here, by edge (read by the graph's statistics;
+    /// locked only when a writer is opened and when statistics are read).
+    counters: Mutex<Vec<(u64, Arc<EndCounters>)>>,
 }
 
 impl GraphChannels {
@@ -37,6 +44,7 @@ impl GraphChannels {
         GraphChannels {
             local: LocalHub::new(spin),
             shm,
+            counters: Mutex::new(Vec::new()),
         }
     }
 
@@ -129,6 +137,7 @@ impl GraphChannels {
         if e.writer != me {
             return Err(format!("{me:?} does not write edge {}", e.label));
         }
+        let counters = Arc::new(EndCounters::default());
         let mut ends: Vec<Writer<T>> = Vec::new();
         for chan in &e.channels {
             match chan.kind {
@@ -142,11 +151,15 @@ impl GraphChannels {
                     }
                 }
                 ChannelKind::SharedMemory => {
-                    ends.push(Box::new(ShmTx::<T>::new(self.shm(edge, chan.id)?.writer())));
+                    ends.push(Box::new(
+                        ShmTx::<T>::new(self.shm(edge, chan.id)?.writer())
+                            .counted(counters.clone()),
+                    ));
                 }
             }
         }
-        Ok(FanOut::new(ends))
+        self.counters.lock().push((edge, counters.clone()));
+        Ok(FanOut::new(ends).counted(counters))
     }
 
     /// The reading end of `edge` for the endpoint `me`.
@@ -170,6 +183,24 @@ impl GraphChannels {
                 self.shm(edge, chan.id)?.reader(index as u32),
             )),
         })
+    }
+
+    /// What every writer opened in this process has sent, by edge.
+    pub(crate) fn edge_counts(&self) -> Vec<(u64, EdgeCount)> {
+        self.counters
+            .lock()
+            .iter()
+            .map(|(edge, c)| {
+                (
+                    *edge,
+                    EdgeCount {
+                        messages: c.messages.load(Ordering::Relaxed),
+                        bytes: c.bytes.load(Ordering::Relaxed),
+                        growths: c.growths.load(Ordering::Relaxed),
+                    },
+                )
+            })
+            .collect()
     }
 
     /// Close every channel of the graph in this process (teardown, death of a peer): wakes

@@ -73,6 +73,11 @@ pub struct CompileOptions {
     /// How long teardown waits for each actor's loop to stop (default 5 s); a worker process
     /// still running then is killed.
     pub teardown_timeout: Duration,
+    /// Record every operation of every actor for
+    /// [`CompiledGraph::timeline`](crate::CompiledGraph::timeline) (default off; the
+    /// environment variable `ADAG_TIMELINE=path` turns it on for every graph and writes the
+    /// JSON at teardown). See `docs/observability.md`.
+    pub timeline: bool,
 }
 
 impl Default for CompileOptions {
@@ -89,6 +94,7 @@ impl Default for CompileOptions {
             default_communicator: DefaultCommunicator::Create,
             spin: Duration::from_micros(50),
             teardown_timeout: Duration::from_secs(5),
+            timeline: false,
         }
     }
 }
@@ -127,6 +133,8 @@ setters! {
     spin: Duration,
     /// Set [`CompileOptions::teardown_timeout`].
     teardown_timeout: Duration,
+    /// Set [`CompileOptions::timeline`].
+    timeline: bool,
 }
 
 /// A deadline `d` from now, where `Duration::MAX` (or an overflow) means none.
