@@ -53,6 +53,7 @@ impl Chatty {
 
     /// Sleeps a little: some busy time to measure.
     pub fn step(&mut self, x: u64) -> u64 {
+        tracing::trace!(x, "stepping");
         std::thread::sleep(Duration::from_micros(200));
         x + self.k
     }
@@ -77,6 +78,7 @@ fn scenario() {
     match std::env::var("ADAG_OBS_SCENARIO").as_deref() {
         Ok("logs") => scenario_logs(),
         Ok("flood") => scenario_flood(),
+        Ok("trace") => scenario_trace(),
         _ => {}
     }
 }
@@ -103,6 +105,32 @@ fn scenario_logs() {
     graph.teardown().unwrap();
     drop(graph);
     // Let the forwarding threads write what the worker said before the process exits.
+    std::thread::sleep(Duration::from_millis(500));
+    println!("SCENARIO DONE");
+}
+
+fn scenario_trace() {
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(std::io::stdout)
+        .init();
+    let rt = Runtime::new().unwrap();
+    let p = rt
+        .spawn_named::<Chatty>(Placement::Process, "TraceP", 1)
+        .unwrap();
+    let t = rt
+        .spawn_named::<Chatty>(Placement::Thread, "TraceT", 1)
+        .unwrap();
+    let dag = Dag::<u64>::new();
+    let graph = dag
+        .compile(t.step(p.step(dag.input())), CompileOptions::default())
+        .unwrap();
+    for i in 0..2 {
+        graph.execute(i).unwrap().get().unwrap();
+    }
+    graph.teardown().unwrap();
+    drop(graph);
+    drop((p, t));
     std::thread::sleep(Duration::from_millis(500));
     println!("SCENARIO DONE");
 }
@@ -219,6 +247,42 @@ fn worker_output_and_tracing_reach_the_driver_with_the_actor_and_pid() {
         .count();
     // Two actors, three operations each, three executions.
     assert_eq!(slices, 18, "{json}");
+}
+
+#[test]
+fn the_library_traces_spawn_compile_executions_tasks_and_teardown() {
+    let (stdout, stderr) = run_child("trace", &[]);
+    let all = format!("--- stdout\n{stdout}\n--- stderr\n{stderr}");
+    assert!(stdout.contains("SCENARIO DONE"), "{all}");
+    let has = |what: &[&str]| stdout.lines().any(|l| what.iter().all(|w| l.contains(w)));
+    assert!(has(&["spawned actor", "actor=TraceP", "pid="]), "{all}");
+    assert!(has(&["compiled graph", "actors=2", "schedules="]), "{all}");
+    assert!(has(&["submitted", "exec=1"]), "{all}");
+    // The thread actor's tasks, in its actor and execution spans.
+    assert!(
+        has(&[
+            "actor{actor=TraceT",
+            "execution{exec=1}",
+            "task{kind=\"compute\" name=step}",
+            "stepping"
+        ]),
+        "{all}"
+    );
+    // The worker's events come to the driver with the spans they were in there.
+    assert!(
+        has(&[
+            "adag::worker",
+            "stepping",
+            "actor=\"TraceP\"",
+            "execution{exec=1}:task{kind=compute name=step}"
+        ]),
+        "{all}"
+    );
+    assert!(
+        has(&["adag::worker", "schedule stopped", "executions=2"]),
+        "{all}"
+    );
+    assert!(has(&["tearing down"]), "{all}");
 }
 
 #[test]

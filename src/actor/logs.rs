@@ -13,10 +13,10 @@
 use crossbeam_channel::{Sender, TrySendError};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tracing::Level;
 use tracing::level_filters::LevelFilter;
@@ -52,127 +52,274 @@ enum Stream {
     Stderr,
 }
 
-/// The one thread that writes forwarded lines to the driver's output (it alone may block).
-fn line_queue() -> &'static Sender<(Stream, String)> {
-    static QUEUE: OnceLock<Sender<(Stream, String)>> = OnceLock::new();
-    QUEUE.get_or_init(|| {
-        let (tx, rx) = crossbeam_channel::bounded::<(Stream, String)>(LINE_QUEUE);
-        let started = std::thread::Builder::new()
-            .name("adag-log-writer".into())
-            .spawn(move || {
-                while let Ok((stream, line)) = rx.recv() {
-                    let _ = match stream {
-                        Stream::Stdout => std::io::stdout().lock().write_all(line.as_bytes()),
-                        Stream::Stderr => std::io::stderr().lock().write_all(line.as_bytes()),
-                    };
-                }
-            });
-        if let Err(e) = started {
-            // Lines then pile up in the queue and are dropped once it is full: counted, no hang.
-            tracing::warn!(error = %e, "no thread to write worker logs; they will be dropped");
-        }
-        tx
-    })
+type Line = (Stream, String);
+
+/// The thread that writes forwarded lines to the driver's output (it alone may block on it),
+/// shared by every worker while any is alive: it ends once the last forwarder has gone and the
+/// queue is empty, so that nothing of a worker outlives it.
+struct LineWriter {
+    tx: Option<Sender<Line>>,
+    live: usize,
+}
+
+static LINE_WRITER: std::sync::Mutex<LineWriter> =
+    std::sync::Mutex::new(LineWriter { tx: None, live: 0 });
+
+fn line_writer() -> std::sync::MutexGuard<'static, LineWriter> {
+    LINE_WRITER.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A sender to the writer thread, starting it if none runs.
+fn register_lines() -> Sender<Line> {
+    let mut w = line_writer();
+    w.live += 1;
+    if let Some(tx) = &w.tx {
+        return tx.clone();
+    }
+    let (tx, rx) = crossbeam_channel::bounded::<Line>(LINE_QUEUE);
+    let started = std::thread::Builder::new()
+        .name("adag-log-writer".into())
+        .spawn(move || {
+            // Ends when every sender is gone, after the lines still queued.
+            while let Ok((stream, line)) = rx.recv() {
+                let _ = match stream {
+                    Stream::Stdout => std::io::stdout().lock().write_all(line.as_bytes()),
+                    Stream::Stderr => std::io::stderr().lock().write_all(line.as_bytes()),
+                };
+            }
+        });
+    if let Err(e) = started {
+        // Lines then fill the queue and are dropped: counted, never a hang.
+        tracing::warn!(error = %e, "no thread to write worker logs; they will be dropped");
+    }
+    w.tx = Some(tx.clone());
+    tx
+}
+
+fn unregister_lines() {
+    let mut w = line_writer();
+    w.live -= 1;
+    if w.live == 0 {
+        w.tx = None;
+    }
 }
 
 /// Start forwarding one worker's stdout, stderr and tracing events to the driver. Returns
-/// the count of lines dropped because the driver's output was too slow.
+/// the count of lines dropped because the driver's output was too slow, and the stop handle:
+/// drop it once the worker has exited; the forwarders then pass on what is left in the pipes
+/// and end, even if a process the worker launched still holds them.
 pub(crate) fn forward(
     name: &str,
     pid: u32,
-    stdout: Option<impl Read + Send + 'static>,
-    stderr: Option<impl Read + Send + 'static>,
+    stdout: Option<OwnedFd>,
+    stderr: Option<OwnedFd>,
     events: OwnedFd,
-) -> Arc<AtomicU64> {
+) -> std::io::Result<(Arc<AtomicU64>, OwnedFd)> {
+    let (stop_rx, stop_tx) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let stop = Arc::new(stop_rx);
     let dropped = Arc::new(AtomicU64::new(0));
-    let prefix = format!("({name} pid={pid}) ");
-    if let Some(out) = stdout {
-        pump_lines(name, out, Stream::Stdout, prefix.clone(), dropped.clone());
+    let mut pipes = Vec::new();
+    for (fd, stream) in [(stdout, Stream::Stdout), (stderr, Stream::Stderr)] {
+        if let Some(fd) = fd {
+            set_nonblocking(&fd)?;
+            pipes.push(Pipe {
+                fd,
+                stream,
+                partial: Vec::new(),
+                open: true,
+            });
+        }
     }
-    if let Some(err) = stderr {
-        pump_lines(name, err, Stream::Stderr, prefix, dropped.clone());
+    set_nonblocking(&events)?;
+    let lines = Lines {
+        prefix: format!("({name} pid={pid}) "),
+        queue: register_lines(),
+        dropped: dropped.clone(),
+        unsaid: 0,
+    };
+    let stop_lines = stop.clone();
+    if let Err(e) = std::thread::Builder::new()
+        .name(format!("adag-log-{name}"))
+        .spawn(move || pump_lines(pipes, lines, &stop_lines))
+    {
+        unregister_lines();
+        return Err(e);
     }
     let actor = name.to_string();
-    let spawned = std::thread::Builder::new()
+    std::thread::Builder::new()
         .name(format!("adag-events-{name}"))
-        .spawn(move || pump_events(&actor, pid, events));
-    if let Err(e) = spawned {
-        tracing::warn!(actor = name, error = %e, "cannot forward the worker's tracing events");
-    }
-    dropped
+        .spawn(move || pump_events(&actor, pid, &events, &stop))?;
+    Ok((dropped, stop_tx))
 }
 
-fn pump_lines(
-    name: &str,
-    pipe: impl Read + Send + 'static,
+fn set_nonblocking(fd: &OwnedFd) -> std::io::Result<()> {
+    use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+    fcntl_setfl(fd, fcntl_getfl(fd)? | OFlags::NONBLOCK)?;
+    Ok(())
+}
+
+struct Pipe {
+    fd: OwnedFd,
     stream: Stream,
+    /// The start of a line whose end has not arrived yet.
+    partial: Vec<u8>,
+    open: bool,
+}
+
+struct Lines {
     prefix: String,
+    queue: Sender<Line>,
     dropped: Arc<AtomicU64>,
-) {
-    let spawned = std::thread::Builder::new()
-        .name(format!("adag-log-{name}"))
-        .spawn(move || {
-            let queue = line_queue();
-            let mut pipe = BufReader::with_capacity(64 * 1024, pipe);
-            let mut raw = Vec::new();
-            // Dropped since the last line that got through: said once the queue has room.
-            let mut unsaid = 0u64;
-            loop {
-                raw.clear();
-                match pipe.read_until(b'\n', &mut raw) {
-                    Ok(0) | Err(_) => {
-                        // The worker is gone: nothing left to stall, so the count may wait a
-                        // little for room.
-                        if unsaid > 0 {
-                            let note = format!(
-                                "{prefix}[adag: {unsaid} lines of this actor dropped: the driver's output was too slow]\n"
-                            );
-                            let _ = queue.send_timeout((stream, note), Duration::from_secs(5));
-                        }
-                        return;
-                    }
-                    Ok(_) => {}
-                }
-                if !raw.ends_with(b"\n") {
-                    raw.push(b'\n');
-                }
-                if unsaid > 0 {
-                    let note = format!(
-                        "{prefix}[adag: {unsaid} lines of this actor dropped: the driver's output was too slow]\n"
-                    );
-                    if queue.try_send((stream, note)).is_ok() {
-                        unsaid = 0;
-                    }
-                }
-                let mut line = String::with_capacity(prefix.len() + raw.len());
-                line.push_str(&prefix);
-                line.push_str(&String::from_utf8_lossy(&raw));
-                match queue.try_send((stream, line)) {
-                    Ok(()) => {}
-                    Err(TrySendError::Full(_)) => {
-                        unsaid += 1;
-                        dropped.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(TrySendError::Disconnected(_)) => return,
-                }
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::warn!(actor = name, error = %e, "cannot forward the worker's output");
+    /// Dropped since the last line that got through: said once the queue has room.
+    unsaid: u64,
+}
+
+impl Lines {
+    fn note(&self) -> String {
+        format!(
+            "{}[adag: {} lines of this actor dropped: the driver's output was too slow]\n",
+            self.prefix, self.unsaid
+        )
+    }
+
+    /// Queue one line without ever waiting.
+    fn deliver(&mut self, stream: Stream, raw: &[u8]) {
+        if self.unsaid > 0 && self.queue.try_send((stream, self.note())).is_ok() {
+            self.unsaid = 0;
+        }
+        let mut line = String::with_capacity(self.prefix.len() + raw.len() + 1);
+        line.push_str(&self.prefix);
+        line.push_str(&String::from_utf8_lossy(raw));
+        line.push('\n');
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
+            self.queue.try_send((stream, line))
+        {
+            self.unsaid += 1;
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
-fn pump_events(actor: &str, pid: u32, sock: OwnedFd) {
+impl Pipe {
+    /// Read what the pipe holds now (it never blocks), queueing each whole line.
+    fn drain(&mut self, buf: &mut [u8], lines: &mut Lines) {
+        while self.open {
+            match rustix::io::read(&self.fd, &mut *buf) {
+                Ok(0) => self.open = false,
+                Ok(n) => {
+                    let mut rest = &buf[..n];
+                    while let Some(at) = rest.iter().position(|b| *b == b'\n') {
+                        if self.partial.is_empty() {
+                            lines.deliver(self.stream, &rest[..at]);
+                        } else {
+                            self.partial.extend_from_slice(&rest[..at]);
+                            let whole = std::mem::take(&mut self.partial);
+                            lines.deliver(self.stream, &whole);
+                        }
+                        rest = &rest[at + 1..];
+                    }
+                    self.partial.extend_from_slice(rest);
+                    if self.partial.len() > MAX_LINE {
+                        // A line without end: pass it on in pieces.
+                        let piece = std::mem::take(&mut self.partial);
+                        lines.deliver(self.stream, &piece);
+                    }
+                }
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => return,
+                Err(_) => self.open = false,
+            }
+        }
+    }
+
+    fn finish(&mut self, lines: &mut Lines) {
+        if !self.partial.is_empty() {
+            let last = std::mem::take(&mut self.partial);
+            lines.deliver(self.stream, &last);
+        }
+    }
+}
+
+/// The longest line passed on whole; longer ones are cut in pieces of this size.
+const MAX_LINE: usize = 64 * 1024;
+
+fn pump_lines(mut pipes: Vec<Pipe>, mut lines: Lines, stop: &OwnedFd) {
+    use rustix::event::{PollFd, PollFlags, poll};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let (stopping, ready) = {
+            let mut fds = vec![PollFd::new(stop, PollFlags::IN)];
+            fds.extend(
+                pipes
+                    .iter()
+                    .filter(|p| p.open)
+                    .map(|p| PollFd::new(&p.fd, PollFlags::IN)),
+            );
+            if fds.len() == 1 {
+                break; // both pipes closed: the worker and everything it launched are gone
+            }
+            match poll(&mut fds, None) {
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(_) => break,
+            }
+            let stopping = !fds[0].revents().is_empty();
+            let ready: Vec<bool> = fds[1..].iter().map(|f| !f.revents().is_empty()).collect();
+            (stopping, ready)
+        };
+        let mut ready = ready.into_iter();
+        for pipe in pipes.iter_mut().filter(|p| p.open) {
+            if stopping || ready.next().unwrap_or(false) {
+                pipe.drain(&mut buf, &mut lines);
+            }
+        }
+        if stopping {
+            break;
+        }
+    }
+    for pipe in &mut pipes {
+        pipe.finish(&mut lines);
+    }
+    if lines.unsaid > 0 {
+        // The worker is gone: nothing is left to stall, so the count may wait for room.
+        let note = lines.note();
+        let _ = lines
+            .queue
+            .send_timeout((Stream::Stderr, note), Duration::from_secs(5));
+    }
+    drop(lines);
+    unregister_lines();
+}
+
+fn pump_events(actor: &str, pid: u32, sock: &OwnedFd, stop: &OwnedFd) {
+    use rustix::event::{PollFd, PollFlags, poll};
     let mut buf = vec![0u8; 2 * MAX_EVENT_TEXT + 4096];
     loop {
-        let n = match rustix::net::recv(sock.as_fd(), &mut buf, rustix::net::RecvFlags::empty()) {
-            Ok((0, _)) | Err(_) => return,
-            Ok((n, _)) => n,
+        let stopping = {
+            let mut fds = [
+                PollFd::new(stop, PollFlags::IN),
+                PollFd::new(sock, PollFlags::IN),
+            ];
+            match poll(&mut fds, None) {
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(_) => return,
+            }
+            !fds[0].revents().is_empty()
         };
-        let Ok(rec) = postcard::from_bytes::<EventRecord>(&buf[..n]) else {
-            continue;
-        };
-        emit(actor, pid, &rec);
+        // Everything the socket holds now, then (if the worker is gone) stop.
+        loop {
+            match rustix::net::recv(sock, &mut buf, rustix::net::RecvFlags::DONTWAIT) {
+                Ok((n, _)) if n > 0 => {
+                    if let Ok(rec) = postcard::from_bytes::<EventRecord>(&buf[..n]) {
+                        emit(actor, pid, &rec);
+                    }
+                }
+                Err(rustix::io::Errno::INTR) => {}
+                _ => break,
+            }
+        }
+        if stopping {
+            return;
+        }
     }
 }
 

@@ -192,8 +192,23 @@ impl ProcessLink {
             .map_err(|_| spawn_err("the spawner thread stopped".into()))?
             .map_err(|e| spawn_err(format!("cannot start the worker process: {e}")))?;
         let pid = child.id();
-        let log_dropped =
-            super::logs::forward(name, pid, child.stdout.take(), child.stderr.take(), events);
+        let forwarded = super::logs::forward(
+            name,
+            pid,
+            child.stdout.take().map(OwnedFd::from),
+            child.stderr.take().map(OwnedFd::from),
+            events,
+        );
+        let (log_dropped, log_stop) = match forwarded {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(spawn_err(format!(
+                    "cannot forward the worker's output: {e}"
+                )));
+            }
+        };
         let (spawned_tx, spawned_rx) = crossbeam_channel::bounded(1);
         let shared = Arc::new(LinkShared {
             name: name.to_string(),
@@ -216,6 +231,8 @@ impl ProcessLink {
                 let reason = child
                     .wait()
                     .map_or_else(|e| format!("waiting for it failed: {e}"), exit_reason);
+                // Its log forwarders pass on what is left and end.
+                drop(log_stop);
                 *monitor.dead.lock() = Some(reason.clone());
                 let graph = *monitor.live_graph.lock();
                 if graph.is_some() {
@@ -346,6 +363,8 @@ impl ProcessLink {
     }
 
     /// Send this actor its part of a graph; `installed` and `done` are answered by the worker.
+    // One argument per thing the worker needs; a struct for one caller would only rename them.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn install(
         &self,
         actor: u64,
