@@ -34,7 +34,35 @@ pub(crate) struct GraphChannels {
     shm: HashMap<u64, ShmChannel>,
     /// The counters of every writer opened here, by edge (read by the graph's statistics;
     /// locked only when a writer is opened and when statistics are read).
-    counters: Mutex<Vec<(u64, Arc<EndCounters>)>>,
+    counters: EdgeCounters,
+}
+
+/// The counters of the writers a process opened for one graph, by edge: shared, so that a
+/// worker can report them after the graph's channels are unmapped.
+#[derive(Clone, Default)]
+pub(crate) struct EdgeCounters(Arc<Mutex<Vec<EdgeEnd>>>);
+
+/// One writer's counters and the edge it writes.
+type EdgeEnd = (u64, Arc<EndCounters>);
+
+impl EdgeCounters {
+    /// What every writer has sent so far, by edge.
+    pub(crate) fn counts(&self) -> Vec<(u64, EdgeCount)> {
+        self.0
+            .lock()
+            .iter()
+            .map(|(edge, c)| {
+                (
+                    *edge,
+                    EdgeCount {
+                        messages: c.messages.load(Ordering::Relaxed),
+                        bytes: c.bytes.load(Ordering::Relaxed),
+                        growths: c.growths.load(Ordering::Relaxed),
+                    },
+                )
+            })
+            .collect()
+    }
 }
 
 impl GraphChannels {
@@ -44,7 +72,7 @@ impl GraphChannels {
         GraphChannels {
             local: LocalHub::new(spin),
             shm,
-            counters: Mutex::new(Vec::new()),
+            counters: EdgeCounters::default(),
         }
     }
 
@@ -158,7 +186,7 @@ impl GraphChannels {
                 }
             }
         }
-        self.counters.lock().push((edge, counters.clone()));
+        self.counters.0.lock().push((edge, counters.clone()));
         Ok(FanOut::new(ends).counted(counters))
     }
 
@@ -185,22 +213,9 @@ impl GraphChannels {
         })
     }
 
-    /// What every writer opened in this process has sent, by edge.
-    pub(crate) fn edge_counts(&self) -> Vec<(u64, EdgeCount)> {
-        self.counters
-            .lock()
-            .iter()
-            .map(|(edge, c)| {
-                (
-                    *edge,
-                    EdgeCount {
-                        messages: c.messages.load(Ordering::Relaxed),
-                        bytes: c.bytes.load(Ordering::Relaxed),
-                        growths: c.growths.load(Ordering::Relaxed),
-                    },
-                )
-            })
-            .collect()
+    /// The counters of every writer opened in this process (and of those opened later).
+    pub(crate) fn counters(&self) -> EdgeCounters {
+        self.counters.clone()
     }
 
     /// Close every channel of the graph in this process (teardown, death of a peer): wakes

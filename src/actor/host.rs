@@ -3,7 +3,7 @@
 use super::channels::GraphChannels;
 use super::comm_ops::{CommCtx, CommGuard, CommMap, build_collective};
 use super::method::{CallFailure, Op, TaskBuilder, find};
-use super::observe::{Recorder, bump, mono_ns};
+use super::observe::{BUSY_SAMPLE, Recorder, bump, mono_ns};
 use super::worker::ProcessLink;
 use super::{Actor, MethodEntry};
 use crate::compile::plan::{GraphPlan, Loc, OpSpec, Stage};
@@ -279,9 +279,13 @@ impl<A: Actor> ErasedHost for Host<A> {
         let traced = tracing::enabled!(tracing::Level::TRACE);
         let counters = &*recorder.counters;
         let why = if recorder.timeline.is_none() && !traced {
+            // Busy time is timed on one execution in BUSY_SAMPLE (and scaled when read):
+            // two clock reads on every method call would show in an echo's round trip.
+            let mut exec = 0u64;
             'run: loop {
+                let timed = exec % BUSY_SAMPLE == 0;
                 for (op, compute) in ops.iter_mut().zip(&computes) {
-                    let r = if *compute {
+                    let r = if timed && *compute {
                         let start = mono_ns();
                         let r = op(&mut self.actor);
                         bump(&counters.busy_ns, mono_ns() - start);
@@ -293,7 +297,11 @@ impl<A: Actor> ErasedHost for Host<A> {
                         break 'run format!("{e:?}");
                     }
                 }
+                if timed {
+                    bump(&counters.timed_executions, 1);
+                }
                 bump(&counters.executions, 1);
+                exec += 1;
             }
         } else {
             let timeline = recorder.timeline.as_deref();
@@ -320,6 +328,7 @@ impl<A: Actor> ErasedHost for Host<A> {
                         t.record(i as u32, exec, start, end);
                     }
                 }
+                bump(&counters.timed_executions, 1);
                 bump(&counters.executions, 1);
                 exec += 1;
             }

@@ -81,13 +81,32 @@ impl TimelineBuf {
     }
 }
 
+/// Without a timeline, the loop times its methods on one execution in this many.
+pub(crate) const BUSY_SAMPLE: u64 = 16;
+
 /// An actor's counters of one graph, written by its loop.
 #[derive(Default)]
 pub(crate) struct ActorCounters {
     /// Executions whose every operation ran.
     pub executions: AtomicU64,
-    /// Nanoseconds spent in compute operations (the actor's methods).
+    /// Nanoseconds spent in compute operations (the actor's methods) of the timed executions.
     pub busy_ns: AtomicU64,
+    /// Executions whose methods were timed (every one with a timeline, else one in
+    /// [`BUSY_SAMPLE`]).
+    pub timed_executions: AtomicU64,
+}
+
+impl ActorCounters {
+    /// Time spent in methods over all executions, estimated from the timed ones.
+    pub(crate) fn busy_estimate(&self) -> u64 {
+        let busy = self.busy_ns.load(Ordering::Relaxed);
+        let timed = self.timed_executions.load(Ordering::Relaxed);
+        let all = self.executions.load(Ordering::Relaxed);
+        if timed == 0 {
+            return busy;
+        }
+        (u128::from(busy) * u128::from(all.max(timed)) / u128::from(timed)) as u64
+    }
 }
 
 /// One writer end's counters of an edge, as they travel from a worker.
@@ -102,6 +121,7 @@ pub(crate) struct EdgeCount {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub(crate) struct Observation {
     pub executions: u64,
+    /// Estimated from the timed executions (see [`ActorCounters::busy_estimate`]).
     pub busy_ns: u64,
     /// By edge id.
     pub edges: Vec<(u64, EdgeCount)>,
@@ -127,9 +147,9 @@ impl Recorder {
         }
     }
 
-    /// Read everything recorded so far, with the edge counters of `chans` (this process's
-    /// ends of the graph).
-    pub(crate) fn observe(&self, chans: Option<&super::channels::GraphChannels>) -> Observation {
+    /// Read everything recorded so far, with the counters of `edges` (the writers this
+    /// process opened for the graph).
+    pub(crate) fn observe(&self, edges: Option<&super::channels::EdgeCounters>) -> Observation {
         let (timeline, timeline_dropped) = self
             .timeline
             .as_ref()
@@ -137,8 +157,8 @@ impl Recorder {
             .unwrap_or_default();
         Observation {
             executions: self.counters.executions.load(Ordering::Relaxed),
-            busy_ns: self.counters.busy_ns.load(Ordering::Relaxed),
-            edges: chans.map(|c| c.edge_counts()).unwrap_or_default(),
+            busy_ns: self.counters.busy_estimate(),
+            edges: edges.map(|c| c.counts()).unwrap_or_default(),
             timeline,
             timeline_dropped,
             events_dropped: super::logs::events_dropped(),
@@ -168,6 +188,16 @@ mod tests {
                 end: 25
             }
         );
+    }
+
+    #[test]
+    fn busy_time_is_scaled_from_the_timed_executions() {
+        let c = ActorCounters::default();
+        assert_eq!(c.busy_estimate(), 0);
+        bump(&c.busy_ns, 100);
+        bump(&c.timed_executions, 2);
+        bump(&c.executions, 32);
+        assert_eq!(c.busy_estimate(), 1600);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! fires when the *thread* that forked the child exits: so workers die with the driver
 //! process, not with whichever thread happened to spawn them. A monitor thread per worker
 //! waits for the child to exit, reaps it at once (no zombie) and tears down its graph.
-use super::channels::GraphChannels;
+use super::channels::{EdgeCounters, GraphChannels};
 use super::host::{Control, RunRequest, host_loop};
 use super::method::CallFailure;
 use super::observe::{Observation, Recorder};
@@ -611,7 +611,8 @@ fn worker_main(sock: OwnedFd) -> i32 {
         return 4;
     }
     // What the current (or last) graph's loop records, and its channels' counters.
-    let mut observed: (Recorder, Option<Arc<GraphChannels>>) = (Recorder::default(), None);
+    // (Only the counters are kept, not the channels: their memory goes with the graph.)
+    let mut observed: (Recorder, Option<EdgeCounters>) = (Recorder::default(), None);
     // The communicators of the next `Install`.
     let mut comms: Result<super::comm_ops::CommMap, String> = Ok(HashMap::new());
     loop {
@@ -625,7 +626,7 @@ fn worker_main(sock: OwnedFd) -> i32 {
             ToWorker::Shutdown => return 0,
             ToWorker::Observe => {
                 send(&FromWorker::Observed(
-                    observed.0.observe(observed.1.as_deref()),
+                    observed.0.observe(observed.1.as_ref()),
                 ));
             }
             ToWorker::Call { method, args } => {
@@ -674,7 +675,7 @@ fn worker_main(sock: OwnedFd) -> i32 {
                 let (done, done_rx) = crossbeam_channel::bounded(1);
                 let recorder = Recorder::new(timeline);
                 let graph_chans = Arc::new(graph_chans);
-                observed = (recorder.clone(), Some(graph_chans.clone()));
+                observed = (recorder.clone(), Some(graph_chans.counters()));
                 let request = RunRequest {
                     plan: Arc::new(plan),
                     chans: graph_chans,

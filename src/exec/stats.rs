@@ -83,7 +83,9 @@ pub struct ActorStats {
     pub pid: Option<u32>,
     /// Executions it completed.
     pub executions: u64,
-    /// Time spent in its methods (compute operations).
+    /// Time spent in its methods (compute operations). Without a timeline the methods of one
+    /// execution in 16 are timed and the sum is scaled to all executions (two clock reads per
+    /// call would show in a microsecond round trip); with a timeline every call is timed.
     pub busy: Duration,
     /// Lines of its worker's output dropped because the driver's output was too slow.
     pub log_lines_dropped: u64,
@@ -188,7 +190,7 @@ impl Observers {
             e.growths += c.growths;
         };
         // The driver's own writers (inputs) and thread actors' share the driver's channels.
-        chans.edge_counts().iter().for_each(&mut add);
+        chans.counters().counts().iter().for_each(&mut add);
         for (a, r) in actors.iter().zip(&reports) {
             if let (ActorLink::Process(_), Some(r)) = (&a.0.link, r) {
                 r.edges.iter().for_each(&mut add);
