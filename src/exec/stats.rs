@@ -41,7 +41,9 @@ const OBSERVE_WAIT: Duration = Duration::from_secs(2);
 /// assert_eq!(stats.executions_in_flight, 0);
 /// // The input edge and the output edge carried one message per execution.
 /// assert!(stats.edges.iter().all(|e| e.messages == 5));
-/// assert_eq!(stats.actors[0].executions, 5);
+/// // An actor counts an execution once its last operation is done: final after teardown.
+/// graph.teardown().unwrap();
+/// assert_eq!(graph.stats().actors[0].executions, 5);
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct GraphStats {

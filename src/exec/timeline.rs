@@ -81,6 +81,8 @@ pub struct TimelineEvent {
 /// for i in 0..3 {
 ///     graph.execute(i).unwrap().get().unwrap();
 /// }
+/// // Teardown waits for every loop to stop: every operation is recorded by then.
+/// graph.teardown().unwrap();
 /// let timeline = graph.timeline();
 /// // One read, one compute and one write per execution.
 /// assert_eq!(timeline.events.len(), 9);
