@@ -104,7 +104,9 @@ fn scenario_logs() {
     }
     graph.teardown().unwrap();
     drop(graph);
-    // Let the forwarding threads write what the worker said before the process exits.
+    // The worker exits with its last handle; its forwarders then pass on what is left. Give
+    // them a moment before this process exits (nothing here can wait on them).
+    drop((p, t));
     std::thread::sleep(Duration::from_millis(500));
     println!("SCENARIO DONE");
 }
