@@ -1,7 +1,10 @@
 //! The main demo: a three-stage pipeline of actors in worker processes, compiled once and
 //! executed many times, beside the same work done with one-off calls.
 //!
-//! Run: `cargo run --release --example demo`
+//! Run: `cargo run --release --example demo`; with `ADAG_TIMELINE=demo.json` it also writes
+//! the timeline of every operation (open it in <https://ui.perfetto.dev>, or draw it with
+//! `scripts/timeline_png.py`), and with `RUST_LOG`-style tracing set up by the caller the
+//! workers' events reach the driver (see `docs/observability.md`).
 use adag::{CompileOptions, Dag, Placement, Runtime};
 use std::time::{Duration, Instant};
 
@@ -31,6 +34,41 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * p) as usize]
 }
 
+/// Print the graph's statistics: how long each stage computed of the time the graph ran, and
+/// what each edge carried.
+fn where_the_time_went(stats: &adag::GraphStats, wall: Duration) {
+    println!(
+        "where the time went ({} executions in {wall:.2?}):",
+        stats.executions_submitted
+    );
+    let mut most = 0.0f64;
+    for a in &stats.actors {
+        most = most.max(a.busy.as_secs_f64() / wall.as_secs_f64());
+        println!(
+            "  {:<10} pid {:>7}: {:>6} executions, computing {:>9.2?} ({:>4.1}% of the time, {:.2?} per execution)",
+            a.actor,
+            a.pid.map_or_else(|| "-".into(), |p| p.to_string()),
+            a.executions,
+            a.busy,
+            100.0 * a.busy.as_secs_f64() / wall.as_secs_f64(),
+            a.busy / a.executions.max(1) as u32,
+        );
+    }
+    for e in &stats.edges {
+        println!(
+            "  edge {:<16} {:>6} messages, {:>6.1} MB through shared memory, grew {} times",
+            e.label,
+            e.messages,
+            e.bytes as f64 / 1e6,
+            e.growths
+        );
+    }
+    println!(
+        "  the busiest stage computed {:.1}% of the time: the rest went to moving values between processes and waiting for them",
+        100.0 * most
+    );
+}
+
 fn main() -> anyhow::Result<()> {
     adag::init();
     let rt = Runtime::new()?;
@@ -58,6 +96,7 @@ fn main() -> anyhow::Result<()> {
     );
 
     let input = vec![1.0f32; 256];
+    let started = Instant::now();
     let out = graph.execute(input.clone())?.get()?;
     assert!(out.iter().all(|v| (*v - 3.0).abs() < 1e-6));
     println!("one execution: [1.0; 256] -> [{}; 256]", out[0]);
@@ -95,7 +134,9 @@ fn main() -> anyhow::Result<()> {
         "compiled graph, pipelined: {:>8.0} executions/s (8 in flight)",
         n as f64 / secs
     );
+    let ran = started.elapsed();
     graph.teardown()?;
+    where_the_time_went(&graph.stats(), ran);
 
     // The baseline: the same three calls made one by one.
     let m = 2_000;

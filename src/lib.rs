@@ -28,7 +28,8 @@ pub use dag::{
 };
 pub use error::{Capacity, CompileProblem, Error, MethodError, Result};
 pub use exec::{
-    CommunicatorInfo, CompiledGraph, CompiledRef, IndexedInput, IntoOutputs, RefSet, get_all,
+    ActorStats, CommunicatorInfo, CompiledGraph, CompiledRef, EdgeStats, GraphStats, IndexedInput,
+    IntoOutputs, OpKind, RefSet, Timeline, TimelineEvent, get_all,
 };
 pub use tensor::{DType, Device, Element, Tensor, TensorError};
 pub use value::{TypeTag, Value};

@@ -3,14 +3,18 @@
 //! one place that maps a [`ChannelKind`] to its module; the actor loop and the driver then see
 //! only [`ChannelWriter`](crate::channel::ChannelWriter) and
 //! [`ChannelReader`](crate::channel::ChannelReader).
+use super::observe::EdgeCount;
 use crate::channel::local::LocalHub;
 use crate::channel::shm::{ShmChannel, ShmConfig, ShmRx, ShmTx};
-use crate::channel::{FanOut, Reader, Writer};
+use crate::channel::{EndCounters, FanOut, Reader, Writer};
 use crate::compile::plan::{ChannelKind, GraphPlan, Loc};
 use crate::error::{Error, Result};
 use crate::value::Value;
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// How the driver sizes the channels of a graph (from the compile options).
@@ -28,6 +32,37 @@ pub(crate) struct GraphChannels {
     local: LocalHub,
     /// The shared-memory channels mapped here, by channel id.
     shm: HashMap<u64, ShmChannel>,
+    /// The counters of every writer opened here, by edge (read by the graph's statistics;
+    /// locked only when a writer is opened and when statistics are read).
+    counters: EdgeCounters,
+}
+
+/// The counters of the writers a process opened for one graph, by edge: shared, so that a
+/// worker can report them after the graph's channels are unmapped.
+#[derive(Clone, Default)]
+pub(crate) struct EdgeCounters(Arc<Mutex<Vec<EdgeEnd>>>);
+
+/// One writer's counters and the edge it writes.
+type EdgeEnd = (u64, Arc<EndCounters>);
+
+impl EdgeCounters {
+    /// What every writer has sent so far, by edge.
+    pub(crate) fn counts(&self) -> Vec<(u64, EdgeCount)> {
+        self.0
+            .lock()
+            .iter()
+            .map(|(edge, c)| {
+                (
+                    *edge,
+                    EdgeCount {
+                        messages: c.messages.load(Ordering::Relaxed),
+                        bytes: c.bytes.load(Ordering::Relaxed),
+                        growths: c.growths.load(Ordering::Relaxed),
+                    },
+                )
+            })
+            .collect()
+    }
 }
 
 impl GraphChannels {
@@ -37,6 +72,7 @@ impl GraphChannels {
         GraphChannels {
             local: LocalHub::new(spin),
             shm,
+            counters: EdgeCounters::default(),
         }
     }
 
@@ -129,6 +165,7 @@ impl GraphChannels {
         if e.writer != me {
             return Err(format!("{me:?} does not write edge {}", e.label));
         }
+        let counters = Arc::new(EndCounters::default());
         let mut ends: Vec<Writer<T>> = Vec::new();
         for chan in &e.channels {
             match chan.kind {
@@ -142,11 +179,15 @@ impl GraphChannels {
                     }
                 }
                 ChannelKind::SharedMemory => {
-                    ends.push(Box::new(ShmTx::<T>::new(self.shm(edge, chan.id)?.writer())));
+                    ends.push(Box::new(
+                        ShmTx::<T>::new(self.shm(edge, chan.id)?.writer())
+                            .counted(counters.clone()),
+                    ));
                 }
             }
         }
-        Ok(FanOut::new(ends))
+        self.counters.0.lock().push((edge, counters.clone()));
+        Ok(FanOut::new(ends).counted(counters))
     }
 
     /// The reading end of `edge` for the endpoint `me`.
@@ -170,6 +211,11 @@ impl GraphChannels {
                 self.shm(edge, chan.id)?.reader(index as u32),
             )),
         })
+    }
+
+    /// The counters of every writer opened in this process (and of those opened later).
+    pub(crate) fn counters(&self) -> EdgeCounters {
+        self.counters.clone()
     }
 
     /// Close every channel of the graph in this process (teardown, death of a peer): wakes

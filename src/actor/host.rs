@@ -3,6 +3,7 @@
 use super::channels::GraphChannels;
 use super::comm_ops::{CommCtx, CommGuard, CommMap, build_collective};
 use super::method::{CallFailure, Op, TaskBuilder, find};
+use super::observe::{BUSY_SAMPLE, Recorder, bump, mono_ns};
 use super::worker::ProcessLink;
 use super::{Actor, MethodEntry};
 use crate::compile::plan::{GraphPlan, Loc, OpSpec, Stage};
@@ -50,6 +51,8 @@ pub(crate) struct RunRequest {
     pub comms: CommMap,
     pub installed: Sender<Result<(), String>>,
     pub done: Sender<String>,
+    /// Where the loop records its counters and, if asked, its timeline.
+    pub recorder: Recorder,
 }
 
 pub(crate) fn call_failure(actor: &str, method: &str, failure: CallFailure) -> Error {
@@ -142,6 +145,7 @@ pub(crate) trait ErasedHost: Send {
         plan: &GraphPlan,
         chans: &GraphChannels,
         comms: &CommMap,
+        recorder: &Recorder,
         installed: &mut dyn FnMut(Result<(), String>),
     ) -> String;
 }
@@ -241,11 +245,16 @@ impl<A: Actor> ErasedHost for Host<A> {
         plan: &GraphPlan,
         chans: &GraphChannels,
         comms: &CommMap,
+        recorder: &Recorder,
         installed: &mut dyn FnMut(Result<(), String>),
     ) -> String {
+        // Every event of the actor's methods (and of the loop) carries the actor and the graph:
+        // one span for the whole run, entered once, so it costs nothing per execution.
+        let _actor = tracing::info_span!("actor", actor = %self.name, graph = plan.graph).entered();
         let (mut ops, guard) = match self.build(plan, chans, comms) {
             Ok(built) => built,
             Err(e) => {
+                tracing::warn!(error = %e, "installing the schedule failed");
                 installed(Err(e.clone()));
                 return e;
             }
@@ -254,18 +263,103 @@ impl<A: Actor> ErasedHost for Host<A> {
         if ops.is_empty() {
             return "empty schedule".into();
         }
-        let why = 'run: loop {
-            for op in ops.iter_mut() {
-                if let Err(e) = op(&mut self.actor) {
-                    break 'run format!("{e:?}");
+        let specs: &[OpSpec] = plan
+            .actors
+            .iter()
+            .find(|a| a.actor == self.id)
+            .map_or(&[], |a| &a.ops);
+        let names: Vec<(&'static str, String)> = specs.iter().map(|op| op_name(plan, op)).collect();
+        // Compute operations are the actor's busy time.
+        let computes: Vec<bool> = names.iter().map(|(kind, _)| *kind == "compute").collect();
+        tracing::debug!(
+            ops = ops.len(),
+            timeline = recorder.timeline.is_some(),
+            "running its schedule"
+        );
+        // Chosen once: without a timeline and with trace events off, the loop is the plain one.
+        let traced = tracing::enabled!(tracing::Level::TRACE);
+        let counters = &*recorder.counters;
+        let why = if recorder.timeline.is_none() && !traced {
+            // Busy time is timed on one execution in BUSY_SAMPLE (and scaled when read):
+            // two clock reads on every method call would show in an echo's round trip.
+            let mut exec = 0u64;
+            'run: loop {
+                let timed = exec.is_multiple_of(BUSY_SAMPLE);
+                for (op, compute) in ops.iter_mut().zip(&computes) {
+                    let r = if timed && *compute {
+                        let start = mono_ns();
+                        let r = op(&mut self.actor);
+                        bump(&counters.busy_ns, mono_ns() - start);
+                        r
+                    } else {
+                        op(&mut self.actor)
+                    };
+                    if let Err(e) = r {
+                        break 'run format!("{e:?}");
+                    }
                 }
+                if timed {
+                    bump(&counters.timed_executions, 1);
+                }
+                bump(&counters.executions, 1);
+                exec += 1;
+            }
+        } else {
+            let timeline = recorder.timeline.as_deref();
+            let mut exec = 0u64;
+            'run: loop {
+                let _exec = traced.then(|| tracing::trace_span!("execution", exec).entered());
+                for (i, op) in ops.iter_mut().enumerate() {
+                    let start = mono_ns();
+                    let r = if traced {
+                        let (kind, name) = &names[i];
+                        let _task = tracing::trace_span!("task", kind, %name).entered();
+                        op(&mut self.actor)
+                    } else {
+                        op(&mut self.actor)
+                    };
+                    let end = mono_ns();
+                    if let Err(e) = r {
+                        break 'run format!("{e:?}");
+                    }
+                    if computes[i] {
+                        bump(&counters.busy_ns, end - start);
+                    }
+                    if let Some(t) = timeline {
+                        t.record(i as u32, exec, start, end);
+                    }
+                }
+                bump(&counters.timed_executions, 1);
+                bump(&counters.executions, 1);
+                exec += 1;
             }
         };
+        tracing::debug!(reason = %why, executions = counters.executions.load(std::sync::atomic::Ordering::Relaxed), "schedule stopped");
         // The operations hold the communication thread's queue: drop them first, then
         // destroy the communicators (waking any peer blocked in one) and join the thread.
         drop(ops);
         drop(guard);
         why
+    }
+}
+
+/// The kind of an operation (`read`, `compute`, `write`, `comm`) and what it names (the
+/// method, or the edge's producing node), as spans and the timeline show it.
+pub(crate) fn op_name(plan: &GraphPlan, op: &OpSpec) -> (&'static str, String) {
+    let label = |edge: &u64| {
+        plan.edges
+            .get(edge)
+            .map_or_else(|| format!("edge {edge}"), |e| e.label.clone())
+    };
+    match op {
+        OpSpec::Read { edge } => ("read", label(edge)),
+        OpSpec::Write { edge } => ("write", label(edge)),
+        OpSpec::Compute { method, .. } | OpSpec::Split { method, .. } => {
+            ("compute", method.clone())
+        }
+        OpSpec::Recv { edge, stage, .. } => ("comm", format!("recv {} ({stage:?})", label(edge))),
+        OpSpec::Send { edge, stage, .. } => ("comm", format!("send {} ({stage:?})", label(edge))),
+        OpSpec::Collective { kind, stage, .. } => ("comm", format!("{kind} ({stage:?})")),
     }
 }
 
@@ -290,9 +384,10 @@ pub(crate) fn host_loop(mut host: Box<dyn ErasedHost>, control: Receiver<Control
             }
             Control::Run(run) => {
                 let installed = run.installed.clone();
-                let why = host.run_graph(&run.plan, &run.chans, &run.comms, &mut |r| {
-                    let _ = installed.send(r);
-                });
+                let why =
+                    host.run_graph(&run.plan, &run.chans, &run.comms, &run.recorder, &mut |r| {
+                        let _ = installed.send(r);
+                    });
                 let _ = run.done.send(why);
             }
         }

@@ -215,6 +215,13 @@ impl Runtime {
                 )?)
             }
         };
+        tracing::debug!(
+            actor = %name,
+            actor_type = A::type_name(),
+            ?placement,
+            pid = link.pid(),
+            "spawned actor"
+        );
         let core = HandleCore(Arc::new(ActorShared {
             id,
             name,

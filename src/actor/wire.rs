@@ -19,6 +19,8 @@ pub(crate) enum ToWorker {
         name: String,
         type_name: String,
         init: Vec<u8>,
+        /// The driver's tracing level; the socket for the worker's events comes as an fd.
+        log_level: String,
     },
     Call {
         method: String,
@@ -28,6 +30,8 @@ pub(crate) enum ToWorker {
     Install {
         plan: GraphPlan,
         chans: Vec<u64>,
+        /// Record a timeline of the schedule's operations.
+        timeline: bool,
     },
     /// The communicator ranks of the next `Install`: each ticket's descriptors arrive with
     /// this message, in ticket order (`fds` of them per ticket). A message of its own, so that
@@ -35,6 +39,8 @@ pub(crate) enum ToWorker {
     InstallComms {
         comms: Vec<CommTicket>,
     },
+    /// Report the counters and timeline of the current (or last) graph.
+    Observe,
     Shutdown,
 }
 
@@ -63,6 +69,7 @@ pub(crate) enum FromWorker {
     CallResult(Result<Vec<u8>, WireFailure>),
     Installed(Result<(), String>),
     GraphDone(String),
+    Observed(crate::actor::observe::Observation),
 }
 
 const CHUNK: usize = 64 * 1024;

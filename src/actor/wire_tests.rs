@@ -111,6 +111,7 @@ fn every_message_round_trips() {
             name: "w".into(),
             type_name: "crate::W".into(),
             init: vec![1, 2, 3],
+            log_level: "info".into(),
         },
         ToWorker::Call {
             method: "m".into(),
@@ -124,6 +125,7 @@ fn every_message_round_trips() {
         ToWorker::Install {
             plan: plan(),
             chans: vec![3],
+            timeline: false,
         },
         ToWorker::Shutdown,
     ];
@@ -186,6 +188,7 @@ fn fds_travel_with_their_message() {
         &ToWorker::Install {
             plan: plan(),
             chans: vec![3, 4],
+            timeline: false,
         },
         &[w1.as_fd(), w2.as_fd()],
     )
@@ -328,12 +331,14 @@ fn packet() -> impl Strategy<Value = Vec<u8>> {
                     1 => ToWorker::Install {
                         plan: plan(),
                         chans: vec![3],
+                        timeline: false,
                     },
                     2 => ToWorker::Spawn {
                         id: 1,
                         name: "n".into(),
                         type_name: "t".into(),
                         init: vec![0; 5],
+                        log_level: "info".into(),
                     },
                     _ => ToWorker::Shutdown,
                 };

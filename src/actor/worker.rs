@@ -5,9 +5,10 @@
 //! fires when the *thread* that forked the child exits: so workers die with the driver
 //! process, not with whichever thread happened to spawn them. A monitor thread per worker
 //! waits for the child to exit, reaps it at once (no zombie) and tears down its graph.
-use super::channels::GraphChannels;
+use super::channels::{EdgeCounters, GraphChannels};
 use super::host::{Control, RunRequest, host_loop};
 use super::method::CallFailure;
+use super::observe::{Observation, Recorder};
 use super::registry;
 use super::wire::{self, FromWorker, ToWorker, WireFailure};
 use crate::channel::wait::DEFAULT_SPIN;
@@ -56,6 +57,7 @@ struct LinkShared {
     pending_call: Mutex<Option<Sender<CallReply>>>,
     spawned: Mutex<Option<Sender<Result<(), String>>>>,
     graph: Mutex<GraphSlots>,
+    pending_observe: Mutex<Option<Sender<Observation>>>,
     dead: Mutex<Option<String>>,
     live_graph: Arc<Mutex<Option<u64>>>,
 }
@@ -77,6 +79,7 @@ impl LinkShared {
     fn fail_waiters(&self) {
         self.pending_call.lock().take();
         self.spawned.lock().take();
+        self.pending_observe.lock().take();
         let mut g = self.graph.lock();
         g.installed.take();
         g.done.take();
@@ -88,7 +91,10 @@ pub(crate) struct ProcessLink {
     pid: u32,
     shared: Arc<LinkShared>,
     call_lock: Mutex<()>,
+    observe_lock: Mutex<()>,
     exited: crossbeam_channel::Receiver<()>,
+    /// Lines of its stdout and stderr dropped because the driver's output was too slow.
+    log_dropped: Arc<std::sync::atomic::AtomicU64>,
 }
 
 type SpawnJob = Box<dyn FnOnce() + Send>;
@@ -125,7 +131,11 @@ fn spawn_child(name: &str, child_sock: OwnedFd) -> std::io::Result<Child> {
     cmd.env(ENV_FD, WORKER_FD.to_string())
         .env(ENV_PARENT, std::process::id().to_string())
         .env(ENV_NAME, name)
-        .stdin(std::process::Stdio::null());
+        .stdin(std::process::Stdio::null())
+        // Drained by the driver and prefixed with the actor (`logs.rs`); the user's
+        // RUST_BACKTRACE, like the rest of the environment, is inherited as it is.
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
     let raw = child_sock.as_raw_fd();
     let parent = std::process::id() as i32;
     // SAFETY: the closure runs in the child between fork and exec, where only
@@ -168,6 +178,8 @@ impl ProcessLink {
         };
         let (sock, child_sock) =
             wire::socket_pair().map_err(|e| spawn_err(format!("socketpair: {e}")))?;
+        let (events, child_events) =
+            super::logs::event_socket().map_err(|e| spawn_err(format!("socketpair: {e}")))?;
         let (tx, rx) = crossbeam_channel::bounded(1);
         let child_name = name.to_string();
         spawner()
@@ -180,6 +192,23 @@ impl ProcessLink {
             .map_err(|_| spawn_err("the spawner thread stopped".into()))?
             .map_err(|e| spawn_err(format!("cannot start the worker process: {e}")))?;
         let pid = child.id();
+        let forwarded = super::logs::forward(
+            name,
+            pid,
+            child.stdout.take().map(OwnedFd::from),
+            child.stderr.take().map(OwnedFd::from),
+            events,
+        );
+        let (log_dropped, log_stop) = match forwarded {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(spawn_err(format!(
+                    "cannot forward the worker's output: {e}"
+                )));
+            }
+        };
         let (spawned_tx, spawned_rx) = crossbeam_channel::bounded(1);
         let shared = Arc::new(LinkShared {
             name: name.to_string(),
@@ -188,6 +217,7 @@ impl ProcessLink {
             pending_call: Mutex::new(None),
             spawned: Mutex::new(Some(spawned_tx)),
             graph: Mutex::new(GraphSlots::default()),
+            pending_observe: Mutex::new(None),
             dead: Mutex::new(None),
             live_graph,
         });
@@ -201,7 +231,15 @@ impl ProcessLink {
                 let reason = child
                     .wait()
                     .map_or_else(|e| format!("waiting for it failed: {e}"), exit_reason);
+                // Its log forwarders pass on what is left and end.
+                drop(log_stop);
                 *monitor.dead.lock() = Some(reason.clone());
+                let graph = *monitor.live_graph.lock();
+                if graph.is_some() {
+                    tracing::warn!(actor = %monitor.name, pid, %reason, graph, "worker process died");
+                } else {
+                    tracing::debug!(actor = %monitor.name, pid, %reason, "worker process ended");
+                }
                 // Replies the worker sent just before it exited are delivered first: the
                 // reader reaches the end of the socket at once, since the worker's end is
                 // closed with it (bounded, in case a grandchild inherited that end).
@@ -232,7 +270,9 @@ impl ProcessLink {
             pid,
             shared,
             call_lock: Mutex::new(()),
+            observe_lock: Mutex::new(()),
             exited,
+            log_dropped,
         };
         link.shared
             .send(
@@ -241,10 +281,12 @@ impl ProcessLink {
                     name: name.to_string(),
                     type_name: type_name.to_string(),
                     init,
+                    log_level: super::logs::driver_level(),
                 },
-                &[],
+                &[child_events.as_fd()],
             )
             .map_err(|e| spawn_err(format!("cannot reach the worker: {e}")))?;
+        drop(child_events);
         match spawned_rx.recv_timeout(Duration::from_secs(60)) {
             Ok(Ok(())) => Ok(link),
             Ok(Err(message)) => Err(spawn_err(message)),
@@ -336,6 +378,8 @@ impl ProcessLink {
     }
 
     /// Send this actor its part of a graph; `installed` and `done` are answered by the worker.
+    // One argument per thing the worker needs; a struct for one caller would only rename them.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn install(
         &self,
         actor: u64,
@@ -344,6 +388,7 @@ impl ProcessLink {
         installed: Sender<Result<(), String>>,
         done: Sender<String>,
         comms: (Vec<super::wire::CommTicket>, Vec<BorrowedFd<'_>>),
+        timeline: bool,
     ) -> Result<()> {
         if let Some(dead) = self.shared.died() {
             return Err(dead);
@@ -370,6 +415,7 @@ impl ProcessLink {
                 &ToWorker::Install {
                     plan: (*plan).clone(),
                     chans: ids.clone(),
+                    timeline,
                 },
                 &fds,
             )
@@ -398,6 +444,26 @@ impl ProcessLink {
 
     pub(crate) fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// Lines of the worker's output dropped because the driver's output was too slow.
+    pub(crate) fn log_lines_dropped(&self) -> u64 {
+        self.log_dropped.load(Ordering::Relaxed)
+    }
+
+    /// The worker's counters and timeline of its current (or last) graph; `None` if it is
+    /// dead or does not answer within `wait`.
+    pub(crate) fn observe(&self, wait: Duration) -> Option<Observation> {
+        let _one_at_a_time = self.observe_lock.lock();
+        if self.is_dead() {
+            return None;
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        *self.shared.pending_observe.lock() = Some(tx);
+        self.shared.send(&ToWorker::Observe, &[]).ok()?;
+        let got = rx.recv_timeout(wait).ok();
+        self.shared.pending_observe.lock().take();
+        got
     }
 
     /// Why the worker died, waiting up to `wait` for its monitor to record it: a broken link
@@ -455,6 +521,11 @@ fn read_replies(link: &LinkShared) {
                     let _ = tx.send(why);
                 }
             }
+            FromWorker::Observed(o) => {
+                if let Some(tx) = link.pending_observe.lock().take() {
+                    let _ = tx.send(o);
+                }
+            }
         }
     }
 }
@@ -506,12 +577,17 @@ fn worker_main(sock: OwnedFd) -> i32 {
             name,
             type_name,
             init,
+            log_level,
         },
-        _,
+        fds,
     ))) = wire::recv::<ToWorker>(sock.as_fd())
     else {
         return 2;
     };
+    // Before the actor is built: events of its `new` reach the driver too.
+    if let Some(events) = fds.into_iter().next() {
+        super::logs::init_worker(events, &log_level);
+    }
     let (control, rx) = crossbeam_channel::unbounded::<Control>();
     let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
     let host_name = name.clone();
@@ -549,6 +625,9 @@ fn worker_main(sock: OwnedFd) -> i32 {
     if !ok {
         return 4;
     }
+    // What the current (or last) graph's loop records, and its channels' counters.
+    // (Only the counters are kept, not the channels: their memory goes with the graph.)
+    let mut observed: (Recorder, Option<EdgeCounters>) = (Recorder::default(), None);
     // The communicators of the next `Install`.
     let mut comms: Result<super::comm_ops::CommMap, String> = Ok(HashMap::new());
     loop {
@@ -560,6 +639,11 @@ fn worker_main(sock: OwnedFd) -> i32 {
         match msg {
             ToWorker::Spawn { .. } => return 5,
             ToWorker::Shutdown => return 0,
+            ToWorker::Observe => {
+                send(&FromWorker::Observed(
+                    observed.0.observe(observed.1.as_ref()),
+                ));
+            }
             ToWorker::Call { method, args } => {
                 let (reply, reply_rx) = crossbeam_channel::bounded(1);
                 if control
@@ -585,7 +669,11 @@ fn worker_main(sock: OwnedFd) -> i32 {
             ToWorker::InstallComms { comms: tickets } => {
                 comms = super::comm_ops::open_tickets(tickets, fds);
             }
-            ToWorker::Install { plan, chans } => {
+            ToWorker::Install {
+                plan,
+                chans,
+                timeline,
+            } => {
                 let comms = std::mem::replace(&mut comms, Ok(HashMap::new()));
                 let opened = comms.and_then(|comms| {
                     GraphChannels::open(&chans, fds, DEFAULT_SPIN).map(|chans| (comms, chans))
@@ -600,12 +688,16 @@ fn worker_main(sock: OwnedFd) -> i32 {
                 };
                 let (installed, installed_rx) = crossbeam_channel::bounded(1);
                 let (done, done_rx) = crossbeam_channel::bounded(1);
+                let recorder = Recorder::new(timeline);
+                let graph_chans = Arc::new(graph_chans);
+                observed = (recorder.clone(), Some(graph_chans.counters()));
                 let request = RunRequest {
                     plan: Arc::new(plan),
-                    chans: Arc::new(graph_chans),
+                    chans: graph_chans,
                     comms,
                     installed,
                     done,
+                    recorder,
                 };
                 if control.send(Control::Run(request)).is_err() {
                     return 6;

@@ -13,6 +13,7 @@
 //! A writer with readers of several kinds writes through a [`FanOut`].
 use crate::error::TaskError;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 #[cfg(all(test, not(loom)))]
@@ -77,23 +78,58 @@ pub(crate) type Writer<T> = Box<dyn ChannelWriter<T> + Send>;
 /// A reading end that can cross threads.
 pub(crate) type Reader<T> = Box<dyn ChannelReader<T> + Send>;
 
+/// What one writer has sent: messages, encoded bytes (ends that move values count none) and
+/// how often its shared-memory channel grew. One thread writes them (the writer's), with
+/// plain relaxed stores; anyone may read them.
+#[derive(Debug, Default)]
+pub(crate) struct EndCounters {
+    pub messages: AtomicU64,
+    pub bytes: AtomicU64,
+    pub growths: AtomicU64,
+}
+
+/// Add `n` to a counter of one writing thread: a load and a store, no locked instruction.
+#[inline]
+pub(crate) fn bump(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+}
+
 /// One writer's ends of several channels (one per reader kind): a message goes to every end,
 /// encoded by reference where the end encodes, moved to the last end that takes the value
 /// itself and cloned for the others.
 pub(crate) struct FanOut<T> {
     encoding: Vec<Writer<T>>,
     moving: Vec<Writer<T>>,
+    counters: Option<Arc<EndCounters>>,
 }
 
 impl<T> FanOut<T> {
     pub(crate) fn new(ends: Vec<Writer<T>>) -> Self {
         let (moving, encoding) = ends.into_iter().partition(|e| e.moves_values());
-        FanOut { encoding, moving }
+        FanOut {
+            encoding,
+            moving,
+            counters: None,
+        }
+    }
+
+    /// Count every message written in `counters`.
+    pub(crate) fn counted(mut self, counters: Arc<EndCounters>) -> Self {
+        self.counters = Some(counters);
+        self
+    }
+
+    #[inline]
+    fn count(&self) {
+        if let Some(c) = &self.counters {
+            bump(&c.messages, 1);
+        }
     }
 }
 
 impl<T: Clone> ChannelWriter<T> for FanOut<T> {
     fn write(&mut self, msg: Msg<T>, deadline: Option<Instant>) -> Result<(), ChanError> {
+        self.count();
         match &msg {
             Msg::Value(v) => {
                 for end in &mut self.encoding {
@@ -116,6 +152,7 @@ impl<T: Clone> ChannelWriter<T> for FanOut<T> {
     }
 
     fn write_ref(&mut self, value: &T, deadline: Option<Instant>) -> Result<(), ChanError> {
+        self.count();
         for end in &mut self.encoding {
             end.write_ref(value, deadline)?;
         }

@@ -91,6 +91,11 @@ pub struct CompileOptions {
     /// still running then is killed. At most one day, so that teardown always ends;
     /// `Duration::ZERO` kills a worker whose loop has not stopped at once.
     pub teardown_timeout: Duration,
+    /// Record every operation of every actor for
+    /// [`CompiledGraph::timeline`](crate::CompiledGraph::timeline) (default off; the
+    /// environment variable `ADAG_TIMELINE=path` turns it on for every graph and writes the
+    /// JSON at teardown). See `docs/observability.md`.
+    pub timeline: bool,
 }
 
 impl Default for CompileOptions {
@@ -107,6 +112,7 @@ impl Default for CompileOptions {
             default_communicator: DefaultCommunicator::Create,
             spin: Duration::from_micros(50),
             teardown_timeout: Duration::from_secs(5),
+            timeline: false,
         }
     }
 }
@@ -216,6 +222,8 @@ setters! {
     spin: Duration,
     /// Set [`CompileOptions::teardown_timeout`].
     teardown_timeout: Duration,
+    /// Set [`CompileOptions::timeline`].
+    timeline: bool,
 }
 
 /// A deadline `d` from now, where `Duration::MAX` (or an overflow) means none.

@@ -24,6 +24,8 @@ mod input;
 mod output;
 mod pump;
 mod refs;
+mod stats;
+mod timeline;
 pub(crate) mod viz;
 use comms::CommSetup;
 pub use comms::CommunicatorInfo;
@@ -34,6 +36,8 @@ use output::OutputReader;
 #[doc(hidden)]
 pub use output::OutputSpec;
 pub use refs::{CompiledRef, ExecToken, RefFuture, RefSet, get_all};
+pub use stats::{ActorStats, EdgeStats, GraphStats};
+pub use timeline::{OpKind, Timeline, TimelineEvent};
 
 /// The driver's endpoints in its own process.
 pub struct DriverIo {
@@ -126,6 +130,8 @@ pub(crate) struct GraphShared<I> {
     room: Condvar,
     /// The communicator groups of the graph, destroyed at teardown.
     comms: CommSetup,
+    /// Statistics and the timeline.
+    obs: stats::Observers,
 }
 
 /// A compiled graph: execute it many times, then tear it down (also on drop).
@@ -254,6 +260,7 @@ fn start<I: Value>(
     let io = DriverIo {
         chans: chans.clone(),
     };
+    let obs = stats::Observers::new(plan.clone(), &actors, opts.timeline);
     // Actors first: they take their ends of the channels.
     let mut done = Vec::new();
     let mut installing = Vec::new();
@@ -269,6 +276,7 @@ fn start<I: Value>(
                         comms: actor_comms,
                         installed,
                         done: done_tx,
+                        recorder: obs.recorder(actor.id()),
                     }))
                     .map_err(|_| Error::compile(actor.name(), "the actor's thread has stopped"))
             }),
@@ -288,6 +296,7 @@ fn start<I: Value>(
                     installed,
                     done_tx,
                     tickets,
+                    obs.timeline,
                 )
             }),
         };
@@ -355,6 +364,24 @@ fn start<I: Value>(
     }
     let output_labels = specs.iter().map(|s| s.node.describe()).collect();
     let input_labels = plan.inputs.iter().map(|e| nodes[e].describe()).collect();
+    tracing::debug!(
+        graph = plan.graph,
+        actors = plan.actors.len(),
+        edges = plan.edges.len(),
+        channels = plan.edges.values().map(|e| e.channels.len()).sum::<usize>(),
+        inputs = plan.inputs.len(),
+        outputs = plan.outputs.len(),
+        depth = plan.depth,
+        comm_groups = comms.groups.len(),
+        timeline = obs.timeline,
+        schedules = %plan
+            .actors
+            .iter()
+            .map(|a| format!("{}: {} ops", a.name, a.ops.len()))
+            .collect::<Vec<_>>()
+            .join(", "),
+        "compiled graph"
+    );
     let mut dot = viz::dot(&plan, &nodes);
     if !comms.groups.is_empty() && dot.ends_with("}\n") {
         dot.truncate(dot.len() - 2);
@@ -389,6 +416,7 @@ fn start<I: Value>(
         dot,
         room: Condvar::new(),
         comms,
+        obs,
     });
     if shared.opts.enable_asyncio {
         pump::start(&shared).inspect_err(|_| {
@@ -412,6 +440,12 @@ fn start<I: Value>(
 
 impl<I: Value> DeathSink for GraphShared<I> {
     fn actor_died(&self, actor: &str, reason: &str) {
+        tracing::warn!(
+            graph = self.id,
+            actor,
+            reason,
+            "an actor died: tearing the graph down"
+        );
         self.record_death(Error::ActorDied {
             actor: actor.to_string(),
             reason: reason.to_string(),
@@ -587,6 +621,11 @@ impl<I: Value> GraphShared<I> {
             }
         }
         if self.in_flight() >= limit {
+            tracing::debug!(
+                graph = self.id,
+                limit,
+                "execute refused: max_inflight_executions results unread"
+            );
             return Err(Error::CapacityExceeded {
                 capacity: Capacity::InflightExecutions,
                 limit: limit as usize,
@@ -640,6 +679,7 @@ impl<I: Value> GraphShared<I> {
             return Err(err);
         }
         self.next_exec.store(exec + 1, Ordering::Release);
+        tracing::trace!(graph = self.id, exec, "submitted");
         Ok(ExecToken::new(self.clone() as Arc<dyn RefOwner>, exec))
     }
 
@@ -659,6 +699,11 @@ impl<I: Value> GraphShared<I> {
         if self.torn.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
+        tracing::debug!(
+            graph = self.id,
+            reason = reason.as_deref().unwrap_or("asked"),
+            "tearing down"
+        );
         *self.torn_reason.lock() = reason;
         // Closing first wakes any get blocked on a channel, so the locks below come free.
         self.chans.close_all();
@@ -736,6 +781,15 @@ impl<I: Value> GraphShared<I> {
             }
         }
         crate::actor::worker::graphs().lock().remove(&self.id);
+        // Workers keep their counters and timeline after their loop stopped: fetch them now,
+        // while the graph's actors are known to be idle (killed ones are skipped).
+        let idle: Vec<HandleCore> = self
+            .actors
+            .iter()
+            .filter(|a| !stuck.iter().any(|s| s == a.name()))
+            .cloned()
+            .collect();
+        self.obs.collect_final(&idle);
         if stuck.is_empty() {
             Ok(())
         } else {
@@ -795,6 +849,11 @@ impl<I: Value> RefOwner for GraphShared<I> {
                 && !self.all_dropped(next)
                 && self.results.lock().buffer.len() >= self.opts.max_buffered_results
             {
+                tracing::debug!(
+                    graph = self.id,
+                    limit = self.opts.max_buffered_results,
+                    "get refused: max_buffered_results results unclaimed"
+                );
                 return Err(Error::CapacityExceeded {
                     capacity: Capacity::BufferedResults,
                     limit: self.opts.max_buffered_results,
@@ -910,6 +969,47 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
     /// The options it was compiled with.
     pub fn options(&self) -> &CompileOptions {
         &self.shared.opts
+    }
+
+    /// Where the graph's executions and time went so far: executions in flight, results
+    /// buffered, messages, bytes and growths of every edge, executions and busy time of every
+    /// actor. Worker processes are asked for their counters over their control socket (a
+    /// round trip each); after teardown their last counters are reported. See
+    /// [`GraphStats`] for an example.
+    pub fn stats(&self) -> GraphStats {
+        let s = &self.shared;
+        let live = !s.torn.load(Ordering::Acquire);
+        let (edges, actors) = s.obs.stats(&s.actors, &s.chans, live);
+        let results_buffered = s
+            .results
+            .lock()
+            .buffer
+            .values()
+            .map(|r| r.iter().filter(|v| v.is_some()).count())
+            .sum();
+        GraphStats {
+            graph: s.id,
+            executions_submitted: s.next_exec.load(Ordering::Acquire),
+            executions_in_flight: s.in_flight(),
+            results_buffered,
+            edges,
+            actors,
+        }
+    }
+
+    /// Every operation recorded so far by every actor, if the graph was compiled with
+    /// [`CompileOptions::timeline`] or `ADAG_TIMELINE` was set (empty otherwise). Worker
+    /// processes send theirs over their control socket; after teardown the last ones are
+    /// returned. See [`Timeline`] for an example.
+    pub fn timeline(&self) -> Timeline {
+        let s = &self.shared;
+        s.obs.timeline(&s.actors, !s.torn.load(Ordering::Acquire))
+    }
+
+    /// Write [`CompiledGraph::timeline`] as Chrome-trace JSON (open it in
+    /// <https://ui.perfetto.dev> or `chrome://tracing`).
+    pub fn write_timeline(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        self.timeline().write(path)
     }
 }
 

@@ -2,7 +2,7 @@
 //! a memfd ([`memory`]), whose protocol is [`ring`]. The writer encodes each message once,
 //! straight into a slot (a [frame](crate::value::frame), large byte strings out of band); a
 //! reader decodes it in place and keeps large payloads there (pinned) without copying them.
-use super::{ChanError, ChannelReader, ChannelWriter, Msg};
+use super::{ChanError, ChannelReader, ChannelWriter, EndCounters, Msg, bump};
 use crate::error::TaskError;
 use crate::value::frame;
 use bytes::Bytes;
@@ -41,13 +41,23 @@ pub(crate) fn write_encoded<T: Serialize + ?Sized>(
     tag: u8,
     value: &T,
     deadline: Option<Instant>,
+    counters: Option<&EndCounters>,
 ) -> Result<(), ChanError> {
     let mut failure: Option<String> = None;
+    // Counted here rather than in the ring: each `TooSmall` makes the writer grow the channel.
+    let mut attempts = 0u64;
+    let mut bytes = 0u64;
     let written = shm.write(
         tag,
         &mut |buf: &mut [u8]| match frame::encode(value, buf) {
-            Ok(len) => Ok(len),
-            Err(frame::EncodeError::TooSmall(needed)) => Err(needed),
+            Ok(len) => {
+                bytes = len as u64;
+                Ok(len)
+            }
+            Err(frame::EncodeError::TooSmall(needed)) => {
+                attempts += 1;
+                Err(needed)
+            }
             Err(frame::EncodeError::Failed(e)) => {
                 failure = Some(e);
                 // Over any ceiling: the writer gives up at once, without growing.
@@ -62,12 +72,19 @@ pub(crate) fn write_encoded<T: Serialize + ?Sized>(
             std::any::type_name::<T>()
         )));
     }
-    Ok(written?)
+    written?;
+    if let Some(c) = counters {
+        bump(&c.bytes, bytes);
+        bump(&c.growths, attempts);
+    }
+    Ok(())
 }
 
 /// The writer's end of a shared-memory channel, for values of type `T`.
 pub(crate) struct ShmTx<T> {
     shm: ShmWriter,
+    /// Bytes written and growths, shared with whoever reads the graph's statistics.
+    counters: Option<Arc<EndCounters>>,
     _t: PhantomData<fn(T)>,
 }
 
@@ -75,8 +92,15 @@ impl<T> ShmTx<T> {
     pub(crate) fn new(shm: ShmWriter) -> Self {
         ShmTx {
             shm,
+            counters: None,
             _t: PhantomData,
         }
+    }
+
+    /// Count the bytes this end writes and the times it grows its channel in `counters`.
+    pub(crate) fn counted(mut self, counters: Arc<EndCounters>) -> Self {
+        self.counters = Some(counters);
+        self
     }
 }
 
@@ -84,13 +108,31 @@ impl<T: Serialize> ChannelWriter<T> for ShmTx<T> {
     fn write(&mut self, msg: Msg<T>, deadline: Option<Instant>) -> Result<(), ChanError> {
         // Encoded straight into the slot: no allocation per message.
         match &msg {
-            Msg::Value(v) => write_encoded(&mut self.shm, TAG_VALUE, v, deadline),
-            Msg::Error(e) => write_encoded(&mut self.shm, TAG_ERROR, &**e, deadline),
+            Msg::Value(v) => write_encoded(
+                &mut self.shm,
+                TAG_VALUE,
+                v,
+                deadline,
+                self.counters.as_deref(),
+            ),
+            Msg::Error(e) => write_encoded(
+                &mut self.shm,
+                TAG_ERROR,
+                &**e,
+                deadline,
+                self.counters.as_deref(),
+            ),
         }
     }
 
     fn write_ref(&mut self, value: &T, deadline: Option<Instant>) -> Result<(), ChanError> {
-        write_encoded(&mut self.shm, TAG_VALUE, value, deadline)
+        write_encoded(
+            &mut self.shm,
+            TAG_VALUE,
+            value,
+            deadline,
+            self.counters.as_deref(),
+        )
     }
 
     fn moves_values(&self) -> bool {
