@@ -25,7 +25,10 @@ pub use dag::{
     Transport,
 };
 pub use error::{Capacity, Error, Result};
-pub use exec::{CommunicatorInfo, CompiledGraph, CompiledRef, IntoOutputs, RefSet, get_all};
+pub use exec::{
+    CommunicatorInfo, CompiledGraph, CompiledRef, First, IntoOutputs, RefSet, get_all,
+    get_all_timeout, wait_first, wait_first_async,
+};
 pub use tensor::{DType, Device, Element, Tensor, TensorError};
 pub use value::{TypeTag, Value};
 

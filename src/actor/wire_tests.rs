@@ -149,6 +149,7 @@ fn every_message_round_trips() {
         FromWorker::CallResult(Err(WireFailure::NoSuchMethod)),
         FromWorker::CallResult(Err(WireFailure::BadArgs("x".into()))),
         FromWorker::CallResult(Err(WireFailure::Task("panicked".into()))),
+        FromWorker::CallResult(Err(WireFailure::Busy)),
         FromWorker::Installed(Err("no".into())),
         FromWorker::GraphDone("closed".into()),
     ];
