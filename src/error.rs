@@ -133,10 +133,12 @@ pub enum Error {
         /// The ceiling.
         limit: usize,
     },
-    /// The actor belongs to a compiled graph (a live one, or one torn down while a method of
-    /// this thread actor was still running), so it takes no one-off calls or second graph.
+    /// The actor is stuck inside a method of compiled graph `graph` (a live one, or one torn
+    /// down while a method of this thread actor was still running): a one-off call it did not
+    /// take within 2 s was withdrawn without running. (Calls to an actor of a live graph that
+    /// is not stuck run between two executions.)
     #[error(
-        "actor {actor} is held by compiled graph #{graph}: tear that graph down first (CompiledGraph::teardown); if it was torn down already, a method of this actor is still running and the actor is free once it returns"
+        "actor {actor} is inside a method of compiled graph #{graph} and did not take the call within 2 s, so the call did not run; call again once the method returns (if the graph was torn down, the actor is free once it returns)"
     )]
     ActorBusy {
         /// The actor.

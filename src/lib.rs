@@ -28,8 +28,9 @@ pub use dag::{
 };
 pub use error::{Capacity, CompileProblem, Error, MethodError, Result};
 pub use exec::{
-    ActorStats, CommunicatorInfo, CompiledGraph, CompiledRef, EdgeStats, GraphStats, IndexedInput,
-    IntoOutputs, OpKind, RefSet, Timeline, TimelineEvent, get_all,
+    ActorStats, CommunicatorInfo, CompiledGraph, CompiledRef, EdgeStats, First, GraphStats,
+    IndexedInput, IntoOutputs, OpKind, RefSet, Timeline, TimelineEvent, get_all, get_all_timeout,
+    wait_first, wait_first_async,
 };
 pub use tensor::{DType, Device, Element, Tensor, TensorError};
 pub use value::{TypeTag, Value};

@@ -2,7 +2,9 @@
 //! teardown and actor death, for thread and process actors.
 mod common;
 use adag::{Capacity, CompileOptions, Dag, Error, Placement, Runtime};
-use common::{each_placement, worker};
+use common::{
+    done, each_placement, go, named_worker, process_actors_available, scratch_dir, worker,
+};
 use std::time::Duration;
 
 fn tokio_rt() -> tokio::runtime::Runtime {
@@ -251,5 +253,173 @@ fn worker_death_resolves_pending_futures_with_actor_died() {
             g.execute_async(2).await,
             Err(Error::ActorDied { .. })
         ));
+    });
+}
+
+/// The task error of `checked` for input `x`, or a failure.
+#[track_caller]
+fn assert_checked_failed(r: adag::Result<u64>, x: u64, what: &str, p: Placement) {
+    match r {
+        Err(Error::Task {
+            method, message, ..
+        }) => {
+            assert_eq!(method, "checked", "[{p:?}] {what}");
+            assert!(
+                message.contains(&format!("bad input {x}")),
+                "[{p:?}] {what}: {message}"
+            );
+        }
+        other => panic!("[{p:?}] {what}: expected the task error of checked({x}), got {other:?}"),
+    }
+}
+
+/// Fast fail, async: with outputs `[a method that waits, a method that fails at once]`, every
+/// future of the execution resolves to the error while the slow method still runs (it ends
+/// only when the test says so, after the errors arrived); later executions get their own
+/// values. `wait_first_async` sees the failed execution at once too.
+#[test]
+fn fast_fail_resolves_every_future_before_the_slow_output_finishes() {
+    each_placement(
+        "fast_fail_resolves_every_future_before_the_slow_output_finishes",
+        |p| {
+            let rt = Runtime::new().unwrap();
+            let a = worker(&rt, p, 100);
+            let b = worker(&rt, p, 0);
+            let dir = scratch_dir("fastfail-async");
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let g = dag
+                .compile(
+                    (
+                        a.wait_file(&x, dir.to_string_lossy().into_owned()),
+                        b.checked(&x),
+                    ),
+                    async_opts(),
+                )
+                .unwrap();
+            let long = Duration::from_secs(20);
+            tokio_rt().block_on(async {
+                let (slow, fail) = g.execute_async(3).await.unwrap();
+                // The slow output first: it fails with its sibling's error, at once.
+                let r = tokio::time::timeout(long, slow)
+                    .await
+                    .expect("slow future hangs");
+                assert_checked_failed(r, 3, "slow output", p);
+                assert!(
+                    !done(&dir, 3),
+                    "[{p:?}] the error waited for the slow method"
+                );
+                assert_checked_failed(fail.await, 3, "failing output", p);
+                // wait_first_async over the refs of another failing execution.
+                let (slow13, fail13) = g.execute_async(13).await.unwrap();
+                let first =
+                    tokio::time::timeout(long, adag::wait_first_async(vec![slow13, fail13]))
+                        .await
+                        .expect("wait_first_async hangs")
+                        .unwrap();
+                assert_checked_failed(first.result, 13, "wait_first_async", p);
+                assert!(!done(&dir, 13), "[{p:?}] wait_first_async waited");
+                go(&dir, 3);
+                go(&dir, 13);
+                for i in [4u64, 5] {
+                    go(&dir, i);
+                    let (ra, rb) = g.execute_async(i).await.unwrap();
+                    assert_eq!(
+                        (ra.await.unwrap(), rb.await.unwrap()),
+                        (i + 100, i),
+                        "[{p:?}]"
+                    );
+                }
+            });
+            g.teardown().unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+        },
+    );
+}
+
+/// Dropping unawaited futures frees their places as deterministically as in sync mode: round
+/// after round, `max_inflight_executions` refs are dropped (some never polled, some polled
+/// once) and as many executions are submitted at once; none is refused.
+#[test]
+fn dropped_unawaited_futures_free_their_places_every_round() {
+    each_placement(
+        "dropped_unawaited_futures_free_their_places_every_round",
+        |p| {
+            let rt = Runtime::new().unwrap();
+            let a = worker(&rt, p, 0);
+            let dag = Dag::<u64>::new();
+            let g = dag
+                .compile(
+                    a.slow(dag.input(), 1u64),
+                    async_opts().max_inflight_executions(4),
+                )
+                .unwrap();
+            tokio_rt().block_on(async {
+                for round in 0..30u64 {
+                    for i in 0..4u64 {
+                        let r = g
+                            .execute_async(round * 10 + i)
+                            .await
+                            .unwrap_or_else(|e| panic!("[{p:?}] round {round}, dropped {i}: {e}"));
+                        if i % 2 == 0 {
+                            drop(r);
+                        } else {
+                            // Polled once (pending), then dropped.
+                            let _ =
+                                tokio::time::timeout(Duration::ZERO, r.into_future_value()).await;
+                        }
+                    }
+                    let mut kept = Vec::new();
+                    for i in 4..8u64 {
+                        let x = round * 10 + i;
+                        let r = g
+                            .execute_async(x)
+                            .await
+                            .unwrap_or_else(|e| panic!("[{p:?}] round {round}, kept {i}: {e}"));
+                        kept.push((x, r));
+                    }
+                    for (x, r) in kept {
+                        assert_eq!(r.await.unwrap(), x, "[{p:?}] round {round}");
+                    }
+                }
+            });
+        },
+    );
+}
+
+/// Recovery after a death, async: once an awaited ref resolved to `ActorDied`, the survivors
+/// answer one-off calls and compile into a new graph at once, and the dead actor answers
+/// `ActorDied`.
+#[test]
+fn recovery_after_a_death_async() {
+    each_placement("recovery_after_a_death_async", |p| {
+        if !process_actors_available() {
+            return;
+        }
+        let rt = Runtime::new().unwrap();
+        let s = worker(&rt, p, 10);
+        for round in 0..3 {
+            let victim = named_worker(&rt, Placement::Process, &format!("avictim{round}"), 1);
+            let dag = Dag::<u64>::new();
+            let g = dag
+                .compile(s.echo(victim.slow(dag.input(), 3000u64)), async_opts())
+                .unwrap();
+            tokio_rt().block_on(async {
+                let r = g.execute_async(1).await.unwrap();
+                victim.kill().unwrap();
+                let e = tokio::time::timeout(Duration::from_secs(20), r)
+                    .await
+                    .expect("future hangs")
+                    .expect_err("ActorDied");
+                assert!(matches!(e, Error::ActorDied { .. }), "[{p:?}] {e:?}");
+            });
+            assert_eq!(s.call().echo(1).unwrap(), 11, "[{p:?}] round {round}");
+            let e = victim.call().echo(1).expect_err("dead actor");
+            assert!(matches!(e, Error::ActorDied { .. }), "[{p:?}] {e:?}");
+            let dag = Dag::<u64>::new();
+            let g2 = dag.compile(s.echo(dag.input()), async_opts()).unwrap();
+            let v = tokio_rt().block_on(async { g2.execute_async(1).await?.await });
+            assert_eq!(v.unwrap(), 11, "[{p:?}]");
+        }
     });
 }

@@ -1317,25 +1317,17 @@ fn one_off_calls_before_during_after_graph() {
         for i in 0..5 {
             assert_eq!(g.execute(i).unwrap().get().unwrap(), i + 1, "[{p:?}]");
         }
-        let e = expect_err(a.call().add(1, 2), "call during a live graph");
-        match e {
-            Error::ActorBusy { actor, graph } => {
-                assert_eq!(actor, a.name(), "[{p:?}]");
-                assert_eq!(graph, g.id(), "[{p:?}]");
-            }
-            other => panic!("[{p:?}] expected ActorBusy, got {other:?}"),
-        }
-        assert!(
-            matches!(c.call().count(), Err(Error::ActorBusy { .. })),
-            "[{p:?}]"
-        );
-        // The graph is unharmed by the refused call.
+        // Served between two executions (Ray serves them too: its graph loop runs in a
+        // concurrency group of its own).
+        assert_eq!(a.call().add(1, 2).unwrap(), 4, "[{p:?}] during the graph");
+        assert_eq!(c.call().count().unwrap(), 5, "[{p:?}] during the graph");
+        // The graph is unharmed by the calls.
         assert_eq!(g.execute(9).unwrap().get().unwrap(), 6, "[{p:?}]");
         g.teardown().unwrap();
         assert_eq!(a.call().add(1, 2).unwrap(), 4, "[{p:?}] after");
         assert_eq!(
             a.call().calls().unwrap(),
-            1 + 6 + 1,
+            1 + 5 + 1 + 1 + 1,
             "[{p:?}] state kept across the graph"
         );
         assert_eq!(c.call().count().unwrap(), 6, "[{p:?}]");
@@ -2509,4 +2501,427 @@ fn panic_backtrace_follows_rust_backtrace() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+// =======================================================================================
+// Fast fail, recovery after a death, refs (issue 12)
+// =======================================================================================
+
+/// The task error of `checked` for input `x`, or a failure.
+#[track_caller]
+fn assert_checked_failed(r: adag::Result<u64>, x: u64, what: &str, p: Placement) {
+    match r {
+        Err(Error::Task {
+            method, message, ..
+        }) => {
+            assert_eq!(method, "checked", "[{p:?}] {what}");
+            assert!(
+                message.contains(&format!("bad input {x}")),
+                "[{p:?}] {what}: {message}"
+            );
+        }
+        other => panic!("[{p:?}] {what}: expected the task error of checked({x}), got {other:?}"),
+    }
+}
+
+/// Outputs `[a method that waits, a method that fails at once]`: the error reaches every ref of
+/// the execution (`get`, `get_all`) while the slow method is still running (it finishes only
+/// when the test says so, after the error arrived); a later execution queued behind that work
+/// times out instead of returning a stale value, and then returns its own values.
+#[test]
+fn fast_fail_reaches_every_ref_before_the_slow_output_finishes() {
+    each_placement(
+        "fast_fail_reaches_every_ref_before_the_slow_output_finishes",
+        |p| {
+            let rt = Runtime::new().unwrap();
+            let a = worker(&rt, p, 100);
+            let b = worker(&rt, p, 0);
+            let dir = scratch_dir("fastfail");
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let dir_s = dir.to_string_lossy().into_owned();
+            let g = dag
+                .compile((a.wait_file(&x, dir_s), b.checked(&x)), opts())
+                .unwrap();
+            let long = Duration::from_secs(20);
+            // get on the failing output, then on the slow one: both fail at once.
+            let (slow, fail) = g.execute(3).unwrap();
+            assert_checked_failed(fail.get_timeout(long), 3, "failing output", p);
+            assert!(
+                !done(&dir, 3),
+                "[{p:?}] the error waited for the slow method"
+            );
+            assert_checked_failed(
+                slow.get_timeout(long),
+                3,
+                "slow output of a failed execution",
+                p,
+            );
+            assert!(!done(&dir, 3), "[{p:?}] the slow ref waited for its method");
+            // A later execution is queued behind the unfinished method: a timeout, not a
+            // stale value.
+            let (slow5, fast5) = g.execute(5).unwrap();
+            let e = expect_err(fast5.get_timeout(Duration::from_millis(100)), "queued get");
+            assert!(matches!(e, Error::Timeout { .. }), "[{p:?}] {e:?}");
+            go(&dir, 3);
+            go(&dir, 5);
+            assert_eq!(fast5.get_timeout(long).unwrap(), 5, "[{p:?}]");
+            assert_eq!(slow5.get_timeout(long).unwrap(), 105, "[{p:?}]");
+            // get_all, asking for the slow output first.
+            let refs = g.execute(13).unwrap();
+            assert_checked_failed(get_all(refs).map(|(s, _)| s), 13, "get_all", p);
+            assert!(
+                !done(&dir, 13),
+                "[{p:?}] get_all waited for the slow method"
+            );
+            go(&dir, 13);
+            // Later executions return their own values, again and again.
+            for i in [4u64, 6, 7] {
+                go(&dir, i);
+                assert_eq!(
+                    g.execute(i).unwrap().get().unwrap(),
+                    (i + 100, i),
+                    "[{p:?}]"
+                );
+            }
+            // The leftover of execution 13 was read and dropped on the way: nothing is stale.
+            assert!(done(&dir, 13), "[{p:?}]");
+            g.teardown().unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+        },
+    );
+}
+
+/// With `max_inflight_executions(1)`, the leftovers of a failed execution hold the one place
+/// until the slow method ends; `execute` waits for them (up to `submit_timeout`) instead of
+/// refusing, and the next result is the next execution's own.
+#[test]
+fn execute_waits_for_the_leftovers_of_a_failed_execution() {
+    each_placement(
+        "execute_waits_for_the_leftovers_of_a_failed_execution",
+        |p| {
+            let rt = Runtime::new().unwrap();
+            let a = worker(&rt, p, 100);
+            let b = worker(&rt, p, 0);
+            let dir = scratch_dir("leftover");
+            let dag = Dag::<u64>::new();
+            let x = dag.input();
+            let g = dag
+                .compile(
+                    (
+                        a.wait_file(&x, dir.to_string_lossy().into_owned()),
+                        b.checked(&x),
+                    ),
+                    opts().max_inflight_executions(1),
+                )
+                .unwrap();
+            let (_slow, fail) = g.execute(3).unwrap();
+            assert_checked_failed(fail.get(), 3, "failing output", p);
+            assert!(!done(&dir, 3), "[{p:?}]");
+            let releaser = {
+                let dir = dir.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(50));
+                    go(&dir, 3);
+                    go(&dir, 4);
+                })
+            };
+            assert_eq!(g.execute(4).unwrap().get().unwrap(), (104, 4), "[{p:?}]");
+            releaser.join().unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+        },
+    );
+}
+
+/// After a get returned `ActorDied`, at once and every time: the survivors answer one-off
+/// calls, they compile into a new graph that runs, and the dead actor answers `ActorDied`
+/// (never `ActorBusy`, never a broken pipe). The survivors live in `p`; the victim is a worker
+/// process (only those die).
+#[test]
+fn recovery_after_a_death_never_depends_on_timing() {
+    each_placement("recovery_after_a_death_never_depends_on_timing", |p| {
+        if !process_actors_available() {
+            return;
+        }
+        let rt = Runtime::new().unwrap();
+        let s1 = worker(&rt, p, 10);
+        let s2 = worker(&rt, p, 20);
+        for round in 0..5 {
+            let victim = named_worker(&rt, Placement::Process, &format!("victim{round}"), 1);
+            let dag = Dag::<u64>::new();
+            let g = dag
+                .compile(s2.echo(s1.echo(victim.slow(dag.input(), 3000u64))), opts())
+                .unwrap();
+            let r = g.execute(1).unwrap();
+            if round % 2 == 0 {
+                victim.kill().unwrap();
+            } else {
+                // Killed behind adag's back: only the monitor learns of it.
+                let pid = victim.pid().unwrap() as i32;
+                // SAFETY: kill(2) on our own child, alive until this signal.
+                assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+            }
+            let e = expect_err(r.get(), "get after the kill");
+            assert!(
+                matches!(e, Error::ActorDied { .. }),
+                "[{p:?}] round {round}: {e:?}"
+            );
+            // No retry, no sleep.
+            assert_eq!(
+                s1.call().echo(1).unwrap(),
+                11,
+                "[{p:?}] round {round}: survivor 1"
+            );
+            assert_eq!(
+                s2.call().echo(1).unwrap(),
+                21,
+                "[{p:?}] round {round}: survivor 2"
+            );
+            for _ in 0..3 {
+                let e = expect_err(victim.call().echo(1), "call to the dead actor");
+                assert!(
+                    matches!(&e, Error::ActorDied { actor, .. } if *actor == format!("victim{round}")),
+                    "[{p:?}] round {round}: {e:?}"
+                );
+            }
+            let dag = Dag::<u64>::new();
+            let g2 = dag
+                .compile(s2.echo(s1.echo(dag.input())), opts())
+                .unwrap_or_else(|e| panic!("[{p:?}] round {round}: rebuild: {e}"));
+            assert_eq!(g2.execute(5).unwrap().get().unwrap(), 35, "[{p:?}]");
+            g2.teardown().unwrap();
+            drop(g);
+        }
+    });
+}
+
+/// A ref's `Debug` and `Display` name its graph and its execution: refs of two graphs differ;
+/// a single-output graph shows no output index, a multi-output one does.
+#[test]
+fn refs_name_their_graph_and_execution() {
+    each_placement("refs_name_their_graph_and_execution", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let b = worker(&rt, p, 2);
+        let dag1 = Dag::<u64>::new();
+        let g1 = dag1.compile(a.echo(dag1.input()), opts()).unwrap();
+        let dag2 = Dag::<u64>::new();
+        let x = dag2.input();
+        let g2 = dag2.compile((b.echo(&x), b.add(&x, &x)), opts()).unwrap();
+        let r1 = g1.execute(1).unwrap();
+        let (r2a, r2b) = g2.execute(1).unwrap();
+        let (d1, s1) = (format!("{r1:?}"), r1.to_string());
+        assert!(d1.starts_with("CompiledRef("), "[{p:?}] {d1}");
+        assert!(
+            s1.contains(&format!("graph #{}", g1.id())) && s1.contains("execution 0"),
+            "[{p:?}] {s1}"
+        );
+        assert!(!s1.contains("output"), "[{p:?}] single output: {s1}");
+        assert!(s1.contains("echo"), "[{p:?}] {s1}");
+        let s2b = r2b.to_string();
+        assert!(
+            s2b.contains(&format!("graph #{}", g2.id())) && s2b.contains("output 1"),
+            "[{p:?}] {s2b}"
+        );
+        assert_ne!(s1, r2a.to_string(), "[{p:?}] two graphs' refs look alike");
+        assert_eq!((r1.graph(), r2b.graph()), (g1.id(), g2.id()), "[{p:?}]");
+        assert_eq!((r2b.execution(), r2b.output()), (0, 1), "[{p:?}]");
+        assert_eq!(r1.get().unwrap(), 2, "[{p:?}]");
+        assert_eq!((r2a.get().unwrap(), r2b.get().unwrap()), (3, 4), "[{p:?}]");
+    });
+}
+
+/// `get_all_timeout`: one deadline for the whole list; on a timeout nothing is claimed and the
+/// same refs give every value afterwards.
+#[test]
+fn get_all_with_one_deadline_claims_nothing_on_timeout() {
+    each_placement("get_all_with_one_deadline_claims_nothing_on_timeout", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 100);
+        let dir = scratch_dir("getall");
+        let dag = Dag::<u64>::new();
+        let g = dag
+            .compile(
+                a.wait_file(dag.input(), dir.to_string_lossy().into_owned()),
+                opts(),
+            )
+            .unwrap();
+        go(&dir, 1);
+        let refs: Vec<_> = (1..=3).map(|i| g.execute(i).unwrap()).collect();
+        let e = expect_err(
+            adag::get_all_timeout(&refs, Duration::from_millis(100)),
+            "execution 2 waits",
+        );
+        assert!(matches!(e, Error::Timeout { .. }), "[{p:?}] {e:?}");
+        go(&dir, 2);
+        go(&dir, 3);
+        assert_eq!(
+            adag::get_all_timeout(&refs, Duration::from_secs(20)).unwrap(),
+            vec![101, 102, 103],
+            "[{p:?}] nothing was lost to the timeout"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+/// `wait_first`: the first ready result of a list, claimed, the others left; a failed
+/// execution is ready at once although its slow output is still running; a timeout when
+/// none is ready claims nothing.
+#[test]
+fn wait_first_returns_the_first_ready_result_or_error() {
+    each_placement("wait_first_returns_the_first_ready_result_or_error", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 100);
+        let b = worker(&rt, p, 0);
+        let dir = scratch_dir("waitfirst");
+        let dag = Dag::<u64>::new();
+        let x = dag.input();
+        let g = dag
+            .compile(
+                (
+                    a.wait_file(&x, dir.to_string_lossy().into_owned()),
+                    b.checked(&x),
+                ),
+                opts(),
+            )
+            .unwrap();
+        let (slow, fail) = g.execute(3).unwrap();
+        let first = adag::wait_first(vec![slow, fail], Duration::from_secs(20)).unwrap();
+        assert_eq!(
+            first.index, 0,
+            "[{p:?}] the earliest ref of the failed execution"
+        );
+        assert_checked_failed(first.result, 3, "wait_first", p);
+        assert!(!done(&dir, 3), "[{p:?}] waited for the slow method");
+        assert_checked_failed(first.rest.into_iter().next().unwrap().get(), 3, "rest", p);
+        go(&dir, 3);
+        // Values: the first ready is the first execution; nothing ready is a timeout.
+        go(&dir, 4);
+        let r4 = g.execute(4).unwrap().0;
+        let r5 = g.execute(5).unwrap().0;
+        let first = adag::wait_first(vec![r5, r4], Duration::from_secs(20)).unwrap();
+        assert_eq!((first.index, first.result.unwrap()), (1, 104), "[{p:?}]");
+        let e = expect_err(
+            adag::wait_first(first.rest, Duration::from_millis(100)).map(|f| f.index),
+            "nothing ready",
+        );
+        assert!(matches!(e, Error::Timeout { .. }), "[{p:?}] {e:?}");
+        go(&dir, 5);
+        g.teardown().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+/// One-off calls while a graph is live run on the actor's own thread between two executions
+/// of its schedule, never inside one: with `note_f` then `note_g` on the same actor in every
+/// execution, a call reading the log while executions stream in always finds whole pairs
+/// (`f`, `g`, `f`, `g`, ...), never an `f` without its `g`. An idle actor (waiting for the next
+/// execution) serves calls too.
+#[test]
+fn one_off_calls_run_between_executions_never_inside_one() {
+    each_placement(
+        "one_off_calls_run_between_executions_never_inside_one",
+        |p| {
+            let rt = Runtime::new().unwrap();
+            let a = worker(&rt, p, 0);
+            let dag = Dag::<u64>::new();
+            let g = std::sync::Arc::new(
+                dag.compile(
+                    a.note_g(a.note_f(dag.input())),
+                    opts().max_inflight_executions(4),
+                )
+                .unwrap(),
+            );
+            // Idle: the actor waits for an execution.
+            assert_eq!(a.call().log().unwrap(), Vec::<String>::new(), "[{p:?}]");
+            let runs = 300u64;
+            let driver = {
+                let g = g.clone();
+                std::thread::spawn(move || {
+                    let mut refs = VecDeque::new();
+                    for i in 0..runs {
+                        if refs.len() == 4 {
+                            let r: CompiledRef<u64> = refs.pop_front().unwrap();
+                            r.get().unwrap();
+                        }
+                        refs.push_back(g.execute(i).unwrap());
+                    }
+                    for r in refs {
+                        r.get().unwrap();
+                    }
+                })
+            };
+            let check = |log: &[String], when: &str| {
+                assert_eq!(
+                    log.len() % 2,
+                    0,
+                    "[{p:?}] {when}: a call inside an execution: {log:?}"
+                );
+                for (i, e) in log.iter().enumerate() {
+                    let want = if i % 2 == 0 { 'f' } else { 'g' };
+                    assert!(e.starts_with(want), "[{p:?}] {when}: entry {i} is {e}");
+                }
+            };
+            let mut seen = Vec::new();
+            while !driver.is_finished() {
+                let log = a
+                    .call()
+                    .log()
+                    .unwrap_or_else(|e| panic!("[{p:?}] call during executions: {e}"));
+                check(&log, "during");
+                seen.push(log.len());
+            }
+            driver.join().unwrap();
+            let log = a.call().log().unwrap();
+            check(&log, "after");
+            assert_eq!(log.len() as u64, 2 * runs, "[{p:?}]");
+            assert!(!seen.is_empty(), "[{p:?}]");
+            assert!(seen.windows(2).all(|w| w[0] <= w[1]), "[{p:?}] {seen:?}");
+            g.teardown().unwrap();
+        },
+    );
+}
+
+/// `ActorBusy` is left only for an actor stuck inside a method: a call to it is withdrawn
+/// (it never runs) and answers `ActorBusy` naming the graph, while the graph's other, idle
+/// actor serves its call; once the method ends, calls run again.
+#[test]
+fn one_off_call_to_an_actor_stuck_in_a_method_is_busy_and_never_runs() {
+    each_placement(
+        "one_off_call_to_an_actor_stuck_in_a_method_is_busy_and_never_runs",
+        |p| {
+            let rt = Runtime::new().unwrap();
+            let a = worker(&rt, p, 100);
+            let b = worker(&rt, p, 0);
+            let dir = scratch_dir("busy");
+            let dag = Dag::<u64>::new();
+            let g = dag
+                .compile(
+                    b.echo(a.wait_file(dag.input(), dir.to_string_lossy().into_owned())),
+                    opts(),
+                )
+                .unwrap();
+            let r = g.execute(1).unwrap();
+            // b waits for a's result: idle between executions, it serves calls.
+            assert_eq!(b.call().echo(5).unwrap(), 5, "[{p:?}]");
+            let e = expect_err(a.call().echo(5), "call to a stuck actor");
+            match e {
+                Error::ActorBusy { actor, graph } => {
+                    assert_eq!((actor.as_str(), graph), (a.name(), g.id()), "[{p:?}]")
+                }
+                other => panic!("[{p:?}] expected ActorBusy, got {other:?}"),
+            }
+            assert!(!done(&dir, 1), "[{p:?}]");
+            go(&dir, 1);
+            assert_eq!(r.get().unwrap(), 101, "[{p:?}]");
+            // The withdrawn call never ran: `calls` counts echo, add, ... but not wait_file.
+            assert_eq!(
+                a.call().calls().unwrap(),
+                0,
+                "[{p:?}] the withdrawn call ran"
+            );
+            g.teardown().unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+        },
+    );
 }

@@ -6,13 +6,110 @@ use super::method::{CallFailure, Op, TaskBuilder, find};
 use super::observe::{BUSY_SAMPLE, Recorder, bump, mono_ns};
 use super::worker::ProcessLink;
 use super::{Actor, MethodEntry};
+use crate::channel::{ChanError, Msg, Reader};
 use crate::compile::plan::{GraphPlan, Loc, OpSpec, Stage};
 use crate::error::{Error, Result};
 use crate::value::Value;
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use std::any::Any;
+use std::cell::{Cell, OnceCell};
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a one-off call waits for the actor to take it. An actor running a graph takes
+/// calls between two executions of its schedule, and an idle one within [`CALL_POLL`]; one
+/// that has not taken the call by then is stuck inside a method, and the call is withdrawn
+/// (unrun) with `ActorBusy`.
+pub(crate) const BUSY_AFTER: Duration = Duration::from_secs(2);
+
+/// While an actor's loop waits for the next execution (its schedule's first read), it looks
+/// for queued one-off calls this often: the longest an idle actor keeps a call waiting. Only
+/// that idle wait is cut in slices; a read that finds its message at once, as in a busy
+/// pipeline, reads no flag but one thread-local and makes no syscall.
+pub(crate) const CALL_POLL: Duration = Duration::from_millis(20);
+
+/// One-off calls queued for an actor's thread: the caller counts its call in before sending
+/// it, the thread counts it out when it takes it off the queue. The graph loop reads this
+/// counter once per execution (one relaxed load): no syscall, no wake-up.
+#[derive(Default)]
+pub(crate) struct Calls(AtomicUsize);
+
+impl Calls {
+    pub(crate) fn queued(&self) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
+    fn taken(&self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+    fn any(&self) -> bool {
+        self.0.load(Ordering::Acquire) > 0
+    }
+}
+
+/// Who gets a queued call: the actor's thread (it runs it) or the caller (it gave up on a
+/// stuck actor): whichever comes first, so that a withdrawn call never runs.
+#[derive(Default)]
+pub(crate) struct CallClaim(AtomicU8);
+
+impl CallClaim {
+    const QUEUED: u8 = 0;
+    const TAKEN: u8 = 1;
+    const WITHDRAWN: u8 = 2;
+    fn take(&self) -> bool {
+        self.0
+            .compare_exchange(
+                Self::QUEUED,
+                Self::TAKEN,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
+    /// Withdraws the call unless the actor took it already.
+    pub(crate) fn cancel(&self) -> bool {
+        self.0
+            .compare_exchange(
+                Self::QUEUED,
+                Self::WITHDRAWN,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
+}
+
+thread_local! {
+    /// The queued calls of the actor whose loop runs on this thread.
+    static HOST_CALLS: OnceCell<Arc<Calls>> = const { OnceCell::new() };
+    /// Set while the schedule's first operation runs: a read there is waiting *between* two
+    /// executions, where a one-off call may run.
+    static BETWEEN: Cell<bool> = const { Cell::new(false) };
+    /// Set by a read that gave up its wait between two executions for a one-off call.
+    static INTERRUPTED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The read operation of a schedule. Between two executions (the schedule's first operation)
+/// it waits in [`CALL_POLL`] slices and gives up (`Timeout`, which the loop takes as "serve the
+/// calls, then start the execution again") when a one-off call is queued; elsewhere it waits
+/// for its message as any read.
+pub(crate) fn read_between<T>(reader: &mut Reader<T>) -> Result<Msg<T>, ChanError> {
+    if !BETWEEN.get() {
+        return reader.read(None);
+    }
+    loop {
+        match reader.read(Some(Instant::now() + CALL_POLL)) {
+            Err(ChanError::Timeout) => {
+                if HOST_CALLS.with(|c| c.get().is_some_and(|c| c.any())) {
+                    INTERRUPTED.set(true);
+                    return Err(ChanError::Timeout);
+                }
+            }
+            r => return r,
+        }
+    }
+}
 
 /// How the driver reaches an actor.
 pub(crate) enum ActorLink {
@@ -26,6 +123,7 @@ pub(crate) enum ActorLink {
 /// detached, so the last handle's drop never blocks on a busy actor.
 pub(crate) struct ThreadLink {
     pub(crate) control: Sender<Control>,
+    pub(crate) calls: Arc<Calls>,
 }
 
 /// A request to an actor's host thread.
@@ -34,11 +132,13 @@ pub(crate) enum Control {
         method: String,
         args: Box<dyn Any + Send>,
         reply: Sender<Result<Box<dyn Any + Send>, CallFailure>>,
+        claim: Arc<CallClaim>,
     },
     CallEncoded {
         method: String,
         args: Vec<u8>,
         reply: Sender<Result<Vec<u8>, CallFailure>>,
+        claim: Arc<CallClaim>,
     },
     Run(RunRequest),
 }
@@ -69,6 +169,11 @@ pub(crate) fn call_failure(actor: &str, method: &str, failure: CallFailure) -> E
             method: method.to_string(),
             message,
         },
+        // The graph's id is filled in by the handle, which knows it.
+        CallFailure::Busy => Error::ActorBusy {
+            actor: actor.to_string(),
+            graph: 0,
+        },
     }
 }
 
@@ -87,17 +192,24 @@ impl ActorLink {
                     method: method.to_string(),
                     message: "the actor's thread has stopped".into(),
                 };
+                let claim = Arc::new(CallClaim::default());
+                link.calls.queued();
                 link.control
                     .send(Control::Call {
                         method: method.to_string(),
                         args: Box::new(args),
                         reply,
+                        claim: claim.clone(),
                     })
                     .map_err(|_| gone())?;
-                let value = rx
-                    .recv()
-                    .map_err(|_| gone())?
-                    .map_err(|f| call_failure(actor, method, f))?;
+                let reply = match rx.recv_timeout(BUSY_AFTER) {
+                    Ok(r) => r,
+                    Err(RecvTimeoutError::Timeout) if claim.cancel() => Err(CallFailure::Busy),
+                    // Taken just now: it runs; wait for it.
+                    Err(RecvTimeoutError::Timeout) => rx.recv().map_err(|_| gone())?,
+                    Err(RecvTimeoutError::Disconnected) => return Err(gone()),
+                };
+                let value = reply.map_err(|f| call_failure(actor, method, f))?;
                 value.downcast::<R>().map(|b| *b).map_err(|_| Error::Call {
                     actor: actor.to_string(),
                     method: method.to_string(),
@@ -147,7 +259,56 @@ pub(crate) trait ErasedHost: Send {
         comms: &CommMap,
         recorder: &Recorder,
         installed: &mut dyn FnMut(Result<(), String>),
+        control: &Receiver<Control>,
     ) -> String;
+}
+
+/// Runs a one-off call taken off the control queue (unless its caller withdrew it); hands a
+/// graph request back.
+fn serve(host: &mut dyn ErasedHost, request: Control, calls: &Calls) -> Option<RunRequest> {
+    match request {
+        Control::Call {
+            method,
+            args,
+            reply,
+            claim,
+        } => {
+            calls.taken();
+            if claim.take() {
+                let _ = reply.send(host.call_any(&method, args));
+            }
+            None
+        }
+        Control::CallEncoded {
+            method,
+            args,
+            reply,
+            claim,
+        } => {
+            calls.taken();
+            if claim.take() {
+                let _ = reply.send(host.call_encoded(&method, &args));
+            }
+            None
+        }
+        Control::Run(run) => Some(run),
+    }
+}
+
+/// Between two executions of a graph's schedule: runs every queued one-off call.
+fn serve_between(host: &mut dyn ErasedHost, control: &Receiver<Control>) {
+    let Some(calls) = HOST_CALLS.with(|c| c.get().cloned()) else {
+        return;
+    };
+    while let Ok(request) = control.try_recv() {
+        if let Some(run) = serve(host, request, &calls) {
+            // The actor belongs to the running graph: no other can have claimed it.
+            let _ = run
+                .installed
+                .send(Err("the actor is running another graph".into()));
+            let _ = run.done.send("not started".into());
+        }
+    }
 }
 
 pub(crate) struct Host<A: Actor> {
@@ -247,6 +408,7 @@ impl<A: Actor> ErasedHost for Host<A> {
         comms: &CommMap,
         recorder: &Recorder,
         installed: &mut dyn FnMut(Result<(), String>),
+        control: &Receiver<Control>,
     ) -> String {
         // Every event of the actor's methods (and of the loop) carries the actor and the graph:
         // one span for the whole run, entered once, so it costs nothing per execution.
@@ -279,13 +441,25 @@ impl<A: Actor> ErasedHost for Host<A> {
         // Chosen once: without a timeline and with trace events off, the loop is the plain one.
         let traced = tracing::enabled!(tracing::Level::TRACE);
         let counters = &*recorder.counters;
+        let has_calls = HOST_CALLS.with(|c| c.get().cloned());
+        // One-off calls run between two executions of the schedule, never inside one: before
+        // its first operation, when the counter says some are queued (one load per
+        // execution), or when the first operation, a read waiting for the next execution,
+        // gives up its wait for them (`read_between`).
         let why = if recorder.timeline.is_none() && !traced {
             // Busy time is timed on one execution in BUSY_SAMPLE (and scaled when read):
             // two clock reads on every method call would show in an echo's round trip.
             let mut exec = 0u64;
             'run: loop {
+                if has_calls.as_ref().is_some_and(|c| c.any()) {
+                    serve_between(self, control);
+                }
                 let timed = exec.is_multiple_of(BUSY_SAMPLE);
-                for (op, compute) in ops.iter_mut().zip(&computes) {
+                for (i, (op, compute)) in ops.iter_mut().zip(&computes).enumerate() {
+                    let first = i == 0;
+                    if first {
+                        BETWEEN.set(true);
+                    }
                     let r = if timed && *compute {
                         let start = mono_ns();
                         let r = op(&mut self.actor);
@@ -294,6 +468,13 @@ impl<A: Actor> ErasedHost for Host<A> {
                     } else {
                         op(&mut self.actor)
                     };
+                    if first {
+                        BETWEEN.set(false);
+                        // Interrupted between executions (nothing of the next one was read).
+                        if matches!(r, Err(ChanError::Timeout)) && INTERRUPTED.replace(false) {
+                            continue 'run;
+                        }
+                    }
                     if let Err(e) = r {
                         break 'run format!("{e:?}");
                     }
@@ -308,8 +489,15 @@ impl<A: Actor> ErasedHost for Host<A> {
             let timeline = recorder.timeline.as_deref();
             let mut exec = 0u64;
             'run: loop {
+                if has_calls.as_ref().is_some_and(|c| c.any()) {
+                    serve_between(self, control);
+                }
                 let _exec = traced.then(|| tracing::trace_span!("execution", exec).entered());
                 for (i, op) in ops.iter_mut().enumerate() {
+                    let first = i == 0;
+                    if first {
+                        BETWEEN.set(true);
+                    }
                     let start = mono_ns();
                     let r = if traced {
                         let (kind, name) = &names[i];
@@ -319,6 +507,12 @@ impl<A: Actor> ErasedHost for Host<A> {
                         op(&mut self.actor)
                     };
                     let end = mono_ns();
+                    if first {
+                        BETWEEN.set(false);
+                        if matches!(r, Err(ChanError::Timeout)) && INTERRUPTED.replace(false) {
+                            continue 'run;
+                        }
+                    }
                     if let Err(e) = r {
                         break 'run format!("{e:?}");
                     }
@@ -365,31 +559,28 @@ pub(crate) fn op_name(plan: &GraphPlan, op: &OpSpec) -> (&'static str, String) {
 
 /// The loop of an actor's host thread: serve one-off calls and run graphs until every
 /// handle is gone.
-pub(crate) fn host_loop(mut host: Box<dyn ErasedHost>, control: Receiver<Control>) {
+pub(crate) fn host_loop(
+    mut host: Box<dyn ErasedHost>,
+    control: Receiver<Control>,
+    calls: Arc<Calls>,
+) {
+    HOST_CALLS.with(|c| {
+        let _ = c.set(calls.clone());
+    });
     while let Ok(request) = control.recv() {
-        match request {
-            Control::Call {
-                method,
-                args,
-                reply,
-            } => {
-                let _ = reply.send(host.call_any(&method, args));
-            }
-            Control::CallEncoded {
-                method,
-                args,
-                reply,
-            } => {
-                let _ = reply.send(host.call_encoded(&method, &args));
-            }
-            Control::Run(run) => {
-                let installed = run.installed.clone();
-                let why =
-                    host.run_graph(&run.plan, &run.chans, &run.comms, &run.recorder, &mut |r| {
-                        let _ = installed.send(r);
-                    });
-                let _ = run.done.send(why);
-            }
+        if let Some(run) = serve(&mut *host, request, &calls) {
+            let installed = run.installed.clone();
+            let why = host.run_graph(
+                &run.plan,
+                &run.chans,
+                &run.comms,
+                &run.recorder,
+                &mut |r| {
+                    let _ = installed.send(r);
+                },
+                &control,
+            );
+            let _ = run.done.send(why);
         }
     }
 }

@@ -26,6 +26,9 @@ pub(crate) enum CallFailure {
     NoSuchMethod,
     BadArgs(String),
     Task(MethodError),
+    /// The actor did not take the call within [`BUSY_AFTER`](super::host::BUSY_AFTER): it is
+    /// stuck inside a method; the call was withdrawn without running.
+    Busy,
 }
 
 /// One exported method of an actor type.
@@ -445,7 +448,7 @@ impl<'a, A> TaskBuilder<'a, A> {
         let mut fill = slot.clone();
         self.reads.insert(
             edge,
-            Box::new(move |_: &mut A| fill.write(reader.read(None)?, None)),
+            Box::new(move |_: &mut A| fill.write(super::host::read_between(&mut reader)?, None)),
         );
         self.slots.insert(edge, slot.clone());
         Ok(slot)

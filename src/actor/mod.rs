@@ -178,15 +178,18 @@ impl HandleCore {
         ))
     }
 
-    /// One-off call outside any graph (used by generated code): the slow path.
+    /// One-off call (used by generated code): the slow path. An actor in a live graph runs
+    /// it between two executions of its schedule, never inside one; an actor stuck inside a
+    /// method for [`BUSY_AFTER`](host::BUSY_AFTER) answers [`Error::ActorBusy`] and the call
+    /// does not run.
     pub fn call<Args: Value, R: Value>(&self, method: &str, args: Args) -> Result<R> {
-        if let Some(graph) = *self.0.live_graph.lock() {
-            return Err(Error::ActorBusy {
-                actor: self.0.name.clone(),
-                graph,
-            });
+        match self.0.link.call::<Args, R>(&self.0.name, method, args) {
+            Err(Error::ActorBusy { actor, .. }) => Err(Error::ActorBusy {
+                actor,
+                graph: self.0.live_graph.lock().unwrap_or(0),
+            }),
+            r => r,
         }
-        self.0.link.call::<Args, R>(&self.0.name, method, args)
     }
 
     /// A method by name, for dynamic binding; its types are checked when the graph compiles.

@@ -32,6 +32,7 @@ fn remote_error(actor: &str, method: &str, failure: RemoteFailure) -> Error {
             super::host::call_failure(actor, method, CallFailure::BadArgs(m))
         }
         RemoteFailure::Task(m) => super::host::call_failure(actor, method, CallFailure::Task(m)),
+        RemoteFailure::Busy => super::host::call_failure(actor, method, CallFailure::Busy),
         RemoteFailure::Died(reason) | RemoteFailure::HostLost(reason) => Error::ActorDied {
             actor: actor.to_string(),
             reason,
@@ -259,6 +260,7 @@ impl AgentServices for AgentWorkers {
             Ok(Err(CallFailure::NoSuchMethod)) => Err(RemoteFailure::NoSuchMethod),
             Ok(Err(CallFailure::BadArgs(m))) => Err(RemoteFailure::BadArgs(m)),
             Ok(Err(CallFailure::Task(m))) => Err(RemoteFailure::Task(m)),
+            Ok(Err(CallFailure::Busy)) => Err(RemoteFailure::Busy),
             Err(Error::ActorDied { reason, .. }) => Err(RemoteFailure::Died(reason)),
             Err(e) => Err(RemoteFailure::Died(e.to_string())),
         }

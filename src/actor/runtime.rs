@@ -238,6 +238,8 @@ impl Runtime {
 
 fn spawn_thread<A: Actor>(id: u64, name: &str, init: A::Init) -> Result<ThreadLink> {
     let (control, rx) = crossbeam_channel::unbounded::<Control>();
+    let calls = std::sync::Arc::new(super::host::Calls::default());
+    let host_calls = calls.clone();
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), String>>(1);
     let host_name = name.to_string();
     // Detached: the thread ends when the last handle drops the control channel.
@@ -256,6 +258,7 @@ fn spawn_thread<A: Actor>(id: u64, name: &str, init: A::Init) -> Result<ThreadLi
                             name: host_name,
                         }),
                         rx,
+                        host_calls,
                     );
                 }
                 Err(e) => {
@@ -274,5 +277,5 @@ fn spawn_thread<A: Actor>(id: u64, name: &str, init: A::Init) -> Result<ThreadLi
         actor: name.to_string(),
         message: format!("new() failed: {message}"),
     })?;
-    Ok(ThreadLink { control })
+    Ok(ThreadLink { control, calls })
 }

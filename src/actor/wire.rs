@@ -60,6 +60,8 @@ pub(crate) enum WireFailure {
     NoSuchMethod,
     BadArgs(String),
     Task(crate::error::MethodError),
+    /// The worker's actor did not take the call in time (stuck inside a method).
+    Busy,
 }
 
 /// Replies and events from the worker.

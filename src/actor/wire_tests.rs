@@ -154,6 +154,7 @@ fn every_message_round_trips() {
         FromWorker::CallResult(Err(WireFailure::Task(crate::error::MethodError::message(
             "panicked",
         )))),
+        FromWorker::CallResult(Err(WireFailure::Busy)),
         FromWorker::Installed(Err("no".into())),
         FromWorker::GraphDone("closed".into()),
     ];

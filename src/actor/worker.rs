@@ -6,7 +6,7 @@
 //! process, not with whichever thread happened to spawn them. A monitor thread per worker
 //! waits for the child to exit, reaps it at once (no zombie) and tears down its graph.
 use super::channels::{EdgeCounters, GraphChannels};
-use super::host::{Control, RunRequest, host_loop};
+use super::host::{BUSY_AFTER, CallClaim, Calls, Control, RunRequest, host_loop};
 use super::method::CallFailure;
 use super::observe::{Observation, Recorder};
 use super::registry;
@@ -221,7 +221,7 @@ impl ProcessLink {
             dead: Mutex::new(None),
             live_graph,
         });
-        let (exited_tx, exited) = crossbeam_channel::bounded(1);
+        let (exited_tx, exited) = crossbeam_channel::bounded::<()>(1);
         let (reader_done_tx, reader_done) = crossbeam_channel::bounded::<()>(1);
         // Monitor: reap the child the moment it exits and tell whoever waits on it.
         let monitor = shared.clone();
@@ -246,8 +246,9 @@ impl ProcessLink {
                 let _ = reader_done.recv_timeout(Duration::from_millis(200));
                 monitor.fail_waiters();
                 // Reaped: said before the graph is told, because telling it may drop the last
-                // handle of this very worker here, whose `Drop` waits for this message.
-                let _ = exited_tx.send(());
+                // handle of this very worker here, whose `Drop` waits for this. Said by
+                // disconnecting, so that every wait on it, then and later, returns at once.
+                drop(exited_tx);
                 let graph = *monitor.live_graph.lock();
                 if let Some(g) = graph {
                     let sink = graphs().lock().get(&g).and_then(|w| w.upgrade());
@@ -349,8 +350,9 @@ impl ProcessLink {
                 &[],
             )
             .map_err(|e| {
-                self.shared
-                    .died()
+                // A broken pipe is a worker that is gone (or going): report its death once the
+                // monitor has reaped it, not the pipe.
+                self.death_within(Duration::from_secs(2))
                     .unwrap_or_else(|| call_err(format!("cannot reach the worker: {e}")))
             })?;
         let reply = match rx.recv() {
@@ -369,6 +371,7 @@ impl ProcessLink {
             WireFailure::NoSuchMethod => CallFailure::NoSuchMethod,
             WireFailure::BadArgs(m) => CallFailure::BadArgs(m),
             WireFailure::Task(m) => CallFailure::Task(m),
+            WireFailure::Busy => CallFailure::Busy,
         }))
     }
 
@@ -427,6 +430,8 @@ impl ProcessLink {
             })
     }
 
+    /// SIGKILL the worker and wait (up to 5 s) until its monitor has reaped it, so that once
+    /// this returns every call to the actor answers `ActorDied` (never a broken pipe).
     pub(crate) fn kill(&self) -> Result<()> {
         if self.shared.dead.lock().is_some() {
             return Ok(());
@@ -439,7 +444,9 @@ impl ProcessLink {
                 format!("killing worker {} (pid {})", self.shared.name, self.pid),
                 e,
             )
-        })
+        })?;
+        let _ = self.exited.recv_timeout(Duration::from_secs(5));
+        Ok(())
     }
 
     pub(crate) fn pid(&self) -> u32 {
@@ -487,9 +494,10 @@ impl Drop for ProcessLink {
         }
         // Ask the worker to leave, then make sure it did: no process outlives its handles.
         let _ = self.shared.send(&ToWorker::Shutdown, &[]);
-        if self.exited.recv_timeout(Duration::from_secs(2)).is_err() {
+        if let Err(crossbeam_channel::RecvTimeoutError::Timeout) =
+            self.exited.recv_timeout(Duration::from_secs(2))
+        {
             let _ = self.kill();
-            let _ = self.exited.recv_timeout(Duration::from_secs(5));
         }
     }
 }
@@ -589,6 +597,9 @@ fn worker_main(sock: OwnedFd) -> i32 {
         super::logs::init_worker(events, &log_level);
     }
     let (control, rx) = crossbeam_channel::unbounded::<Control>();
+    // One-off calls queued for the actor's thread, which may be running a graph's schedule.
+    let waiting = Arc::new(Calls::default());
+    let waiting_host = waiting.clone();
     let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
     let host_name = name.clone();
     let spawned = std::thread::Builder::new().name(format!("adag-{name}")).spawn(move || {
@@ -602,7 +613,7 @@ fn worker_main(sock: OwnedFd) -> i32 {
         match built {
             Ok(host) => {
                 let _ = ready_tx.send(Ok(()));
-                host_loop(host, rx);
+                host_loop(host, rx, waiting_host);
             }
             Err(e) => {
                 let _ = ready_tx.send(Err(e));
@@ -646,21 +657,35 @@ fn worker_main(sock: OwnedFd) -> i32 {
             }
             ToWorker::Call { method, args } => {
                 let (reply, reply_rx) = crossbeam_channel::bounded(1);
+                let claim = Arc::new(CallClaim::default());
+                waiting.queued();
                 if control
                     .send(Control::CallEncoded {
                         method,
                         args,
                         reply,
+                        claim: claim.clone(),
                     })
                     .is_err()
                 {
                     return 6;
                 }
-                let result = match reply_rx.recv() {
+                // Served at once, or between two executions of a graph's schedule; withdrawn
+                // when the actor is stuck inside a method (see `host::BUSY_AFTER`).
+                let reply = match reply_rx.recv_timeout(BUSY_AFTER) {
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) if claim.cancel() => {
+                        Ok(Err(CallFailure::Busy))
+                    }
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => reply_rx.recv(),
+                    Ok(r) => Ok(r),
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return 6,
+                };
+                let result = match reply {
                     Ok(r) => r.map_err(|f| match f {
                         CallFailure::NoSuchMethod => WireFailure::NoSuchMethod,
                         CallFailure::BadArgs(m) => WireFailure::BadArgs(m),
                         CallFailure::Task(m) => WireFailure::Task(m),
+                        CallFailure::Busy => WireFailure::Busy,
                     }),
                     Err(_) => return 6,
                 };

@@ -231,6 +231,11 @@ impl WaitCell {
         if let Some(ready) = poll() {
             return Some(ready);
         }
+        // A deadline already past is a try: one poll, no spin (the driver sweeps the output
+        // edges of an execution this way, to see an error on one while it waits on another).
+        if deadline.is_some_and(|d| d <= Instant::now()) {
+            return None;
+        }
         let mut backoff = policy.backoff();
         loop {
             let step = backoff.snooze();

@@ -82,6 +82,8 @@ pub(crate) enum RemoteFailure {
     NoSuchMethod,
     BadArgs(String),
     Task(crate::error::MethodError),
+    /// The actor did not take the call in time: it is stuck inside a method.
+    Busy,
     Spawn(String),
     NoSuchActor,
     Died(String),

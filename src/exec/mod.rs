@@ -20,6 +20,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 mod comms;
+mod gather;
 mod input;
 mod output;
 mod pump;
@@ -29,13 +30,16 @@ mod timeline;
 pub(crate) mod viz;
 use comms::CommSetup;
 pub use comms::CommunicatorInfo;
+use gather::{Gather, OutputEdge, Results};
 use input::Feeder;
 pub use input::IndexedInput;
 pub use output::IntoOutputs;
-use output::OutputReader;
 #[doc(hidden)]
 pub use output::OutputSpec;
-pub use refs::{CompiledRef, ExecToken, RefFuture, RefSet, get_all};
+pub use refs::{
+    CompiledRef, ExecToken, First, RefFuture, RefSet, get_all, get_all_timeout, wait_first,
+    wait_first_async,
+};
 pub use stats::{ActorStats, EdgeStats, GraphStats};
 pub use timeline::{OpKind, Timeline, TimelineEvent};
 
@@ -58,26 +62,10 @@ impl DriverIo {
     }
 }
 
-struct OutputEdge {
-    reader: Box<dyn OutputReader>,
-    /// The output indices this edge feeds.
-    outputs: Vec<usize>,
-}
-
 /// The submitting side: held by `execute` only, never while waiting for results.
 struct SubmitState<I> {
     feeders: Vec<Box<dyn Feeder<I>>>,
 }
-
-/// The reading side: held while a `get` waits on the output channels.
-pub(crate) struct ReadState {
-    edges: Vec<OutputEdge>,
-    /// Outputs of execution `next_read` read so far (it may be read edge by edge across timeouts).
-    partial: Vec<Option<Box<dyn Any + Send>>>,
-    partial_edges: usize,
-}
-
-type Results = Vec<Option<Box<dyn Any + Send>>>;
 
 /// Results read but not claimed: short critical sections only.
 pub(crate) struct ResultState {
@@ -86,6 +74,8 @@ pub(crate) struct ResultState {
     dropped: HashSet<(u64, usize)>,
     /// Async mode: futures waiting for a result.
     wakers: HashMap<(u64, usize), Waker>,
+    /// Async mode: `execute_async` calls waiting for the pump to free a place.
+    room_wakers: Vec<Waker>,
 }
 
 /// What refs see of their graph.
@@ -104,6 +94,18 @@ pub(crate) trait RefOwner: Send + Sync {
     ) -> Poll<Result<Box<dyn Any + Send>>>;
     fn release(&self, exec: u64, output: usize);
     fn describe_output(&self, output: usize) -> String;
+    /// The graph's id and its number of outputs (for a ref's `Debug` and `Display`).
+    fn graph(&self) -> (u64, usize);
+    /// Returns once the graph's teardown, if one runs, has finished: called before a death is
+    /// reported, so that whoever sees `ActorDied` finds the survivors released (a thread actor
+    /// still inside a method stays busy until it returns; the wait is at most
+    /// `teardown_timeout`).
+    fn settle(&self);
+    /// Waits until output `output` of execution `exec` can be claimed without waiting (its
+    /// result or error is in, or it was claimed already); `Ok(false)` when `timeout` passed.
+    fn wait_ready(&self, exec: u64, output: usize, timeout: Option<Duration>) -> Result<bool>;
+    /// Async mode: like `wait_ready`, waking `cx` when it may have become ready.
+    fn poll_ready(&self, exec: u64, output: usize, cx: &mut Context<'_>) -> Poll<Result<()>>;
 }
 
 pub(crate) struct GraphShared<I> {
@@ -115,10 +117,14 @@ pub(crate) struct GraphShared<I> {
     /// The input parts in feeder order, as errors name them.
     input_labels: Vec<String>,
     submit: Mutex<SubmitState<I>>,
-    reader: Mutex<ReadState>,
+    reader: Mutex<Gather>,
     results: Mutex<ResultState>,
     next_exec: AtomicU64,
+    /// The oldest execution not settled yet (being read, or not yet read).
     next_read: AtomicU64,
+    /// The oldest execution with a message still in an output channel (`<= next_read`; less
+    /// while leftovers of a failed execution are on their way): capacity counts from here.
+    drained: AtomicU64,
     teardown_lock: Mutex<()>,
     torn: AtomicBool,
     torn_reason: Mutex<Option<String>>,
@@ -359,6 +365,7 @@ fn start<I: Value>(
             edges.push(OutputEdge {
                 reader: (spec.make)(&io, &plan, edge).map_err(&fail)?,
                 outputs: vec![i],
+                next: 0,
             });
         }
     }
@@ -391,18 +398,16 @@ fn start<I: Value>(
     let shared = Arc::new(GraphShared {
         id: plan.graph,
         submit: Mutex::new(SubmitState { feeders }),
-        reader: Mutex::new(ReadState {
-            edges,
-            partial: Vec::new(),
-            partial_edges: 0,
-        }),
+        reader: Mutex::new(Gather::new(edges)),
         results: Mutex::new(ResultState {
             buffer: BTreeMap::new(),
             dropped: HashSet::new(),
             wakers: HashMap::new(),
+            room_wakers: Vec::new(),
         }),
         next_exec: AtomicU64::new(0),
         next_read: AtomicU64::new(0),
+        drained: AtomicU64::new(0),
         teardown_lock: Mutex::new(()),
         opts,
         chans,
@@ -446,11 +451,11 @@ impl<I: Value> DeathSink for GraphShared<I> {
             reason,
             "an actor died: tearing the graph down"
         );
-        self.record_death(Error::ActorDied {
+        let death = Error::ActorDied {
             actor: actor.to_string(),
             reason: reason.to_string(),
-        });
-        let _ = self.teardown_with(Some(format!("actor {actor} died: {reason}")));
+        };
+        let _ = self.teardown_inner(Some(format!("actor {actor} died: {reason}")), Some(death));
     }
 }
 
@@ -461,6 +466,15 @@ impl<I: Value> crate::dag::Liveness for GraphShared<I> {
 }
 
 impl<I: Value> GraphShared<I> {
+    /// `e`, once the teardown a death started has released the actors (an explicit teardown
+    /// releases them before `teardown()` returns; a get it wakes does not wait for it).
+    fn settled(&self, e: Error) -> Error {
+        if matches!(e, Error::ActorDied { .. }) {
+            self.settle();
+        }
+        e
+    }
+
     fn closed_error(&self) -> Error {
         if let Some(d) = self.death.lock().clone() {
             return d;
@@ -506,42 +520,52 @@ impl<I: Value> GraphShared<I> {
         }
     }
 
-    /// Read the outputs of execution `next_read`, keeping what is read across timeouts.
-    /// When that execution is `want.0`, returns output `want.1`; every other result read is
-    /// buffered unless its ref was dropped.
+    /// Read the outputs of execution `next_read` as they become ready (see `gather`),
+    /// keeping what is read across timeouts. When that execution is `want.0`, returns output
+    /// `want.1`; every other result read is buffered unless its ref was dropped.
     fn read_next(
         &self,
-        rs: &mut ReadState,
+        rs: &mut Gather,
         deadline: Option<Instant>,
         timeout: Duration,
         want: Option<(u64, usize)>,
     ) -> Result<Option<Box<dyn Any + Send>>> {
-        let n_outputs = self.output_labels.len();
-        if rs.partial.is_empty() {
-            rs.partial = (0..n_outputs).map(|_| None).collect();
-            rs.partial_edges = 0;
-        }
         let exec = self.next_read.load(Ordering::Acquire);
-        while rs.partial_edges < rs.edges.len() {
-            let edge = &mut rs.edges[rs.partial_edges];
-            let copies = edge.outputs.len();
-            let values = edge.reader.read(copies, deadline).map_err(|e| {
-                let label = self.output_labels[edge.outputs[0]].clone();
-                self.map_chan(
-                    e,
-                    || format!("the result of execution {exec} ({label})"),
-                    timeout,
-                    "raise the timeout (get_timeout, CompileOptions::get_timeout) if the execution is expected to take that long; otherwise it may be hanging",
-                )
-            })?;
-            for (out, v) in edge.outputs.iter().zip(values) {
-                rs.partial[*out] = Some(v);
+        match rs.read(exec, deadline) {
+            Ok(results) => Ok(self.store(exec, results, want, rs.drained())),
+            Err((edge, e)) => {
+                self.drained.store(rs.drained(), Ordering::Release);
+                Err(self.edge_error(rs, edge, exec, e, timeout))
             }
-            rs.partial_edges += 1;
         }
-        rs.partial_edges = 0;
-        let results = std::mem::take(&mut rs.partial);
-        Ok(self.store(exec, results, want))
+    }
+
+    /// The error of reading output edge `edge` for execution `exec`.
+    fn edge_error(
+        &self,
+        rs: &Gather,
+        edge: usize,
+        exec: u64,
+        e: ChanError,
+        timeout: Duration,
+    ) -> Error {
+        let edge = &rs.edges[edge];
+        let label = self.output_labels[edge.outputs[0]].clone();
+        let behind = edge.next;
+        self.map_chan(
+            e,
+            || {
+                if behind < exec {
+                    format!(
+                        "the result of execution {exec} ({label}), queued behind the unfinished work of failed execution {behind}"
+                    )
+                } else {
+                    format!("the result of execution {exec} ({label})")
+                }
+            },
+            timeout,
+            "raise the timeout (get_timeout, CompileOptions::get_timeout) if the execution is expected to take that long; otherwise it may be hanging",
+        )
     }
 
     /// File one execution's results: drop those whose refs are gone, hand `want` back,
@@ -551,9 +575,11 @@ impl<I: Value> GraphShared<I> {
         exec: u64,
         mut results: Results,
         want: Option<(u64, usize)>,
+        drained: u64,
     ) -> Option<Box<dyn Any + Send>> {
         let mut r = self.results.lock();
         self.next_read.store(exec + 1, Ordering::Release);
+        self.drained.store(drained, Ordering::Release);
         for (out, v) in results.iter_mut().enumerate() {
             if r.dropped.remove(&(exec, out)) {
                 *v = None;
@@ -563,9 +589,10 @@ impl<I: Value> GraphShared<I> {
             Some((e, out)) if e == exec => results[out].take(),
             _ => None,
         };
-        let wake: Vec<Waker> = (0..results.len())
+        let mut wake: Vec<Waker> = (0..results.len())
             .filter_map(|o| r.wakers.remove(&(exec, o)))
             .collect();
+        wake.append(&mut r.room_wakers);
         if results.iter().any(Option::is_some) {
             r.buffer.insert(exec, results);
         }
@@ -598,8 +625,28 @@ impl<I: Value> GraphShared<I> {
         (0..self.output_labels.len()).all(|o| r.dropped.contains(&(exec, o)))
     }
 
+    /// Executions with a message still in the channels (leftovers of failed ones included).
     fn in_flight(&self) -> u64 {
-        self.next_exec.load(Ordering::Acquire) - self.next_read.load(Ordering::Acquire)
+        let drained = self.drained.load(Ordering::Acquire);
+        self.next_exec
+            .load(Ordering::Acquire)
+            .saturating_sub(drained)
+    }
+
+    /// Async mode: whether the pump frees a place by itself (without anybody claiming a
+    /// result): the oldest execution in flight is a failed one's leftovers, or one whose refs
+    /// were all dropped.
+    fn pump_frees_room(&self) -> bool {
+        let next = self.next_read.load(Ordering::Acquire);
+        self.drained.load(Ordering::Acquire) < next || self.all_dropped(next)
+    }
+
+    /// Wakes the `execute_async` calls waiting for a place, to look again.
+    fn wake_room(&self) {
+        let wake = std::mem::take(&mut self.results.lock().room_wakers);
+        for w in wake {
+            w.wake();
+        }
     }
 
     fn execute(self: &Arc<Self>, input: &I) -> Result<ExecToken> {
@@ -610,14 +657,34 @@ impl<I: Value> GraphShared<I> {
         let deadline = deadline_after(self.opts.submit_timeout);
         // Results whose refs were all dropped free their place here, unless a get is reading
         // (it will discard them itself). The async pump does this by itself.
+        // So do the leftovers of a failed execution, once its slow methods finish.
         if !self.opts.enable_asyncio
             && self.in_flight() >= limit
             && let Some(mut rs) = self.reader.try_lock()
         {
-            while self.in_flight() >= limit
-                && self.all_dropped(self.next_read.load(Ordering::Acquire))
-            {
-                self.read_next(&mut rs, deadline, self.opts.submit_timeout, None)?;
+            while self.in_flight() >= limit {
+                let next = self.next_read.load(Ordering::Acquire);
+                if self.drained.load(Ordering::Acquire) < next {
+                    let drained = rs.drain(next, deadline);
+                    self.drained.store(rs.drained(), Ordering::Release);
+                    match drained {
+                        Ok(()) => {}
+                        Err((_, ChanError::Timeout)) => break,
+                        Err((edge, e)) => {
+                            return Err(self.edge_error(
+                                &rs,
+                                edge,
+                                next,
+                                e,
+                                self.opts.submit_timeout,
+                            ));
+                        }
+                    }
+                } else if self.all_dropped(next) {
+                    self.read_next(&mut rs, deadline, self.opts.submit_timeout, None)?;
+                } else {
+                    break;
+                }
             }
         }
         if self.in_flight() >= limit {
@@ -693,9 +760,19 @@ impl<I: Value> GraphShared<I> {
     /// Stop the graph: close every channel (waking every waiter), stop every actor loop,
     /// release the actors. Idempotent.
     pub(crate) fn teardown_with(&self, reason: Option<String>) -> Result<()> {
+        self.teardown_inner(reason, None)
+    }
+
+    /// Teardown, recording `death` first when an actor's death started it. The death is
+    /// recorded under the teardown lock, so that whoever sees it and then waits for that lock
+    /// ([`RefOwner::settle`]) finds the actors released.
+    fn teardown_inner(&self, reason: Option<String>, death: Option<Error>) -> Result<()> {
         // A second caller waits for the first to finish, so that once teardown returns the
         // actors are released whoever started it.
         let _one_at_a_time = self.teardown_lock.lock();
+        if let Some(death) = death {
+            self.record_death(death);
+        }
         if self.torn.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
@@ -713,15 +790,13 @@ impl<I: Value> GraphShared<I> {
             let mut sub = self.submit.lock();
             sub.feeders.clear();
         }
-        {
-            let mut rs = self.reader.lock();
-            rs.edges.clear();
-            rs.partial.clear();
-        }
+        self.reader.lock().clear();
         let wakers: Vec<Waker> = {
             let mut r = self.results.lock();
             r.buffer.clear();
-            r.wakers.drain().map(|(_, w)| w).collect()
+            let mut w: Vec<Waker> = r.wakers.drain().map(|(_, w)| w).collect();
+            w.append(&mut r.room_wakers);
+            w
         };
         for w in wakers {
             w.wake();
@@ -802,19 +877,38 @@ impl<I: Value> GraphShared<I> {
     }
 }
 
-impl<I: Value> RefOwner for GraphShared<I> {
-    fn fetch(
+impl<I: Value> GraphShared<I> {
+    fn is_buffered(&self, exec: u64, output: usize) -> bool {
+        self.results
+            .lock()
+            .buffer
+            .get(&exec)
+            .is_some_and(|r| r[output].is_some())
+    }
+
+    /// Reads executions until output `output` of `exec` is in (or its execution failed).
+    /// With `claim`, takes the result and returns it; without, leaves it buffered and returns
+    /// `None` (also when it was claimed already: claiming it answers at once).
+    fn read_until(
         &self,
         exec: u64,
         output: usize,
         timeout: Option<Duration>,
-    ) -> Result<Box<dyn Any + Send>> {
+        claim: bool,
+    ) -> Result<Option<Box<dyn Any + Send>>> {
         if self.opts.enable_asyncio {
             return Err(Error::WrongMode {
                 message: "this graph was compiled with enable_asyncio; await the ref instead of calling get".into(),
             });
         }
-        if let Some(v) = self.take_buffered(exec, output) {
+        let ready = || {
+            if claim {
+                self.take_buffered(exec, output).map(Some)
+            } else {
+                self.is_buffered(exec, output).then_some(None)
+            }
+        };
+        if let Some(v) = ready() {
             return Ok(v);
         }
         self.check_live()?;
@@ -833,19 +927,22 @@ impl<I: Value> RefOwner for GraphShared<I> {
         };
         loop {
             // Another get may have read this execution while this one waited for the lock.
-            if let Some(v) = self.take_buffered(exec, output) {
+            if let Some(v) = ready() {
                 return Ok(v);
             }
             self.check_live()?;
             let next = self.next_read.load(Ordering::Acquire);
             if exec < next {
+                if !claim {
+                    return Ok(None);
+                }
                 return Err(Error::AlreadyClaimed {
                     execution: exec,
                     output,
                 });
             }
             if next != exec
-                && rs.partial.is_empty()
+                && !rs.reading()
                 && !self.all_dropped(next)
                 && self.results.lock().buffer.len() >= self.opts.max_buffered_results
             {
@@ -859,10 +956,64 @@ impl<I: Value> RefOwner for GraphShared<I> {
                     limit: self.opts.max_buffered_results,
                 });
             }
-            if let Some(v) = self.read_next(&mut rs, deadline, timeout, Some((exec, output)))? {
-                return Ok(v);
+            let want = claim.then_some((exec, output));
+            if let Some(v) = self.read_next(&mut rs, deadline, timeout, want)? {
+                return Ok(Some(v));
             }
         }
+    }
+}
+
+impl<I: Value> RefOwner for GraphShared<I> {
+    fn fetch(
+        &self,
+        exec: u64,
+        output: usize,
+        timeout: Option<Duration>,
+    ) -> Result<Box<dyn Any + Send>> {
+        self.read_until(exec, output, timeout, true)?
+            .ok_or(Error::AlreadyClaimed {
+                execution: exec,
+                output,
+            })
+    }
+
+    fn graph(&self) -> (u64, usize) {
+        (self.id, self.output_labels.len())
+    }
+
+    fn settle(&self) {
+        drop(self.teardown_lock.lock());
+    }
+
+    fn wait_ready(&self, exec: u64, output: usize, timeout: Option<Duration>) -> Result<bool> {
+        match self.read_until(exec, output, timeout, false) {
+            Ok(_) => Ok(true),
+            Err(Error::Timeout { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn poll_ready(&self, exec: u64, output: usize, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if !self.opts.enable_asyncio {
+            return Poll::Ready(Err(Error::WrongMode {
+                message:
+                    "this graph was compiled without enable_asyncio; call get() instead of awaiting"
+                        .into(),
+            }));
+        }
+        let mut r = self.results.lock();
+        if r.buffer.get(&exec).is_some_and(|v| v[output].is_some()) {
+            return Poll::Ready(Ok(()));
+        }
+        if let Err(e) = self.check_live() {
+            return Poll::Ready(Err(e));
+        }
+        if exec < self.next_read.load(Ordering::Acquire) {
+            return Poll::Ready(Ok(()));
+        }
+        r.wakers.insert((exec, output), cx.waker().clone());
+        Poll::Pending
     }
 
     fn poll_fetch(
@@ -927,7 +1078,10 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
                         .into(),
             });
         }
-        let token = self.shared.execute(&input)?;
+        let token = self
+            .shared
+            .execute(&input)
+            .map_err(|e| self.shared.settled(e))?;
         Ok(self.outputs.make_refs(&token, 0).0)
     }
 
@@ -941,7 +1095,27 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
                 message: "this graph was compiled without enable_asyncio; call execute() or compile with CompileOptions::enable_asyncio(true)".into(),
             });
         }
-        let token = self.shared.execute(&input)?;
+        // At capacity because of executions whose refs were all dropped (or the leftovers of
+        // a failed one), wait (up to submit_timeout) for the pump to discard them, as a sync
+        // `execute` reads them itself: dropping futures frees their places deterministically.
+        let deadline = deadline_after(self.shared.opts.submit_timeout);
+        let token = loop {
+            match self.shared.execute(&input) {
+                Err(Error::CapacityExceeded {
+                    capacity: Capacity::InflightExecutions,
+                    ..
+                }) if self.shared.pump_frees_room()
+                    && deadline.is_none_or(|d| Instant::now() < d) =>
+                {
+                    RoomWait {
+                        shared: &self.shared,
+                        deadline,
+                    }
+                    .await;
+                }
+                r => break r.map_err(|e| self.shared.settled(e))?,
+            }
+        };
         Ok(self.outputs.make_refs(&token, 0).0)
     }
 
@@ -1010,6 +1184,31 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
     /// <https://ui.perfetto.dev> or `chrome://tracing`).
     pub fn write_timeline(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         self.timeline().write(path)
+    }
+}
+
+/// Resolves when the pump may have freed a place in flight, the graph stopped, or `deadline`
+/// passed (the pump wakes it at least every 100 ms, so the deadline is noticed).
+struct RoomWait<'a, I> {
+    shared: &'a GraphShared<I>,
+    deadline: Option<Instant>,
+}
+
+impl<I: Value> std::future::Future for RoomWait<'_, I> {
+    type Output = ();
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let s = self.shared;
+        let limit = s.opts.max_inflight_executions as u64;
+        let free = || s.in_flight() < limit || s.torn.load(Ordering::Acquire);
+        if free() || self.deadline.is_some_and(|d| Instant::now() >= d) || !s.pump_frees_room() {
+            return Poll::Ready(());
+        }
+        s.results.lock().room_wakers.push(cx.waker().clone());
+        // The pump may have moved between the look above and the registration.
+        if free() {
+            return Poll::Ready(());
+        }
+        Poll::Pending
     }
 }
 

@@ -2,12 +2,13 @@
 //! a tuple, a `Vec` or a [`MultiOutput`]), and the typed readers of the output channels.
 use super::DriverIo;
 use super::refs::{CompiledRef, ExecToken};
-use crate::channel::{ChanError, Reader};
+use crate::channel::{ChanError, Msg, Reader};
 use crate::compile::plan::GraphPlan;
 use crate::dag::{AnyNode, MultiOutput, Node};
-use crate::error::Result;
+use crate::error::{Result, TaskError};
 use crate::value::Value;
 use std::any::Any;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The outputs of a graph and the refs `execute` returns for them.
@@ -83,29 +84,33 @@ tuple_outputs!(A 0, B 1, C 2, D 3, E 4, F 5);
 tuple_outputs!(A 0, B 1, C 2, D 3, E 4, F 5, G 6);
 tuple_outputs!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7);
 
+/// One message of an output edge: a copy for every output that names the edge, and the
+/// task's error when the message carries one (so that the driver can fail the execution's
+/// other refs at once without knowing the edge's type).
+pub(crate) struct EdgeRead {
+    pub(crate) values: Vec<Box<dyn Any + Send>>,
+    pub(crate) error: Option<Arc<TaskError>>,
+}
+
 /// Reads one output edge and hands one copy of each value to every output that names it.
 pub(crate) trait OutputReader: Send {
-    fn read(
-        &mut self,
-        copies: usize,
-        deadline: Option<Instant>,
-    ) -> Result<Vec<Box<dyn Any + Send>>, ChanError>;
+    fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<EdgeRead, ChanError>;
 }
 
 struct TypedOutput<T>(Reader<T>);
 
 impl<T: Value> OutputReader for TypedOutput<T> {
-    fn read(
-        &mut self,
-        copies: usize,
-        deadline: Option<Instant>,
-    ) -> Result<Vec<Box<dyn Any + Send>>, ChanError> {
+    fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<EdgeRead, ChanError> {
         let msg = self.0.read(deadline)?;
-        let mut out: Vec<Box<dyn Any + Send>> = (1..copies)
+        let error = match &msg {
+            Msg::Error(e) => Some(e.clone()),
+            Msg::Value(_) => None,
+        };
+        let mut values: Vec<Box<dyn Any + Send>> = (1..copies)
             .map(|_| Box::new(msg.clone()) as Box<dyn Any + Send>)
             .collect();
-        out.push(Box::new(msg));
-        Ok(out)
+        values.push(Box::new(msg));
+        Ok(EdgeRead { values, error })
     }
 }
 

@@ -1,12 +1,15 @@
 //! Refs to the results of executions.
 use super::RefOwner;
+use super::gather::Failed;
 use crate::channel::Msg;
+use crate::compile::deadline_after;
 use crate::error::{Error, Result};
 use crate::value::Value;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::task::Poll;
+use std::time::{Duration, Instant};
 
 /// One submitted execution, shared by the refs of its outputs.
 #[doc(hidden)]
@@ -27,6 +30,39 @@ struct RefInner {
     exec: u64,
     output: usize,
     claimed: AtomicBool,
+}
+
+impl RefInner {
+    /// `e`, once the teardown a death started has released the graph's actors (see
+    /// [`RefOwner::settle`]).
+    fn settled(&self, e: Error) -> Error {
+        if matches!(e, Error::ActorDied { .. }) {
+            self.owner.settle();
+        }
+        e
+    }
+
+    /// `graph #3, execution 5, output 1 (b.echo)`; a graph of one output shows no index.
+    fn fmt_place(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (graph, outputs) = self.owner.graph();
+        write!(f, "graph #{graph}, execution {}", self.exec)?;
+        if outputs > 1 {
+            write!(f, ", output {}", self.output)?;
+        }
+        write!(f, " ({})", self.owner.describe_output(self.output))
+    }
+
+    /// Waits up to `deadline` until claiming this ref answers at once.
+    fn wait_ready(&self, deadline: Option<Instant>) -> Result<bool> {
+        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        self.owner
+            .wait_ready(
+                self.exec,
+                self.output,
+                Some(timeout.unwrap_or(Duration::MAX)),
+            )
+            .map_err(|e| self.settled(e))
+    }
 }
 
 impl Drop for RefInner {
@@ -56,15 +92,20 @@ impl<T> Clone for CompiledRef<T> {
     }
 }
 
+/// `CompiledRef(graph #3, execution 5, output 1 (b.echo))`: the graph tells the refs of two
+/// graphs apart; a graph with a single output shows no output index.
 impl<T> std::fmt::Debug for CompiledRef<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "CompiledRef(execution {}, output {}: {})",
-            self.inner.exec,
-            self.inner.output,
-            self.inner.owner.describe_output(self.inner.output)
-        )
+        f.write_str("CompiledRef(")?;
+        self.inner.fmt_place(f)?;
+        f.write_str(")")
+    }
+}
+
+/// `graph #3, execution 5, output 1 (b.echo)`, as errors and logs name a result.
+impl<T> std::fmt::Display for CompiledRef<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.inner.fmt_place(f)
     }
 }
 
@@ -84,6 +125,16 @@ impl<T: Value> CompiledRef<T> {
     /// The execution's index (0 for the first `execute`).
     pub fn execution(&self) -> u64 {
         self.inner.exec
+    }
+
+    /// The output's index among the graph's outputs (0 for a graph with one output).
+    pub fn output(&self) -> usize {
+        self.inner.output
+    }
+
+    /// The id of the graph the ref belongs to ([`CompiledGraph::id`](super::CompiledGraph::id)).
+    pub fn graph(&self) -> u64 {
+        self.inner.owner.graph().0
     }
 
     /// Wait for the result, up to the graph's `get_timeout`.
@@ -107,6 +158,7 @@ impl<T: Value> CompiledRef<T> {
         let value = match inner.owner.fetch(inner.exec, inner.output, timeout) {
             Ok(v) => v,
             Err(e) => {
+                let e = inner.settled(e);
                 if matches!(
                     e,
                     Error::Timeout { .. }
@@ -127,6 +179,11 @@ impl<T: Value> CompiledRef<T> {
             Ok(msg) => match *msg {
                 Msg::Value(v) => Ok(v),
                 Msg::Error(e) => Err(Error::from(&*e)),
+            },
+            // The execution failed fast on another output's error.
+            Err(value) if value.is::<Failed>() => match value.downcast::<Failed>() {
+                Ok(failed) => Err(Error::from(&*failed.0)),
+                Err(_) => unreachable!("checked by is::<Failed>"),
             },
             Err(_) => Err(Error::Codec {
                 op: "decode",
@@ -174,6 +231,7 @@ impl<T: Value> std::future::Future for RefFuture<T> {
             }
             std::task::Poll::Ready(r) => {
                 this.finished = true;
+                let r = r.map_err(|e| this.r.inner.settled(e));
                 std::task::Poll::Ready(r.and_then(|v| this.r.unpack(v)))
             }
         }
@@ -211,6 +269,46 @@ pub trait RefSet {
     type Output;
     /// Wait for all of them, each up to the graph's `get_timeout`.
     fn get(self) -> Result<Self::Output>;
+
+    /// Wait for all of them with **one deadline for the whole set**. On a timeout nothing is
+    /// claimed ([`Error::Timeout`]) and every ref stays valid: call again. An execution that
+    /// failed fails every ref of it at once, without waiting for its slow outputs.
+    ///
+    /// ```
+    /// # use adag::{CompileOptions, Dag, Placement, RefSet, Runtime};
+    /// # use std::time::Duration;
+    /// # struct Adder { k: u64 }
+    /// # #[adag::actor]
+    /// # impl Adder {
+    /// #     fn new(k: u64) -> Self { Adder { k } }
+    /// #     fn add(&mut self, x: u64) -> u64 { x + self.k }
+    /// # }
+    /// let rt = Runtime::new().unwrap();
+    /// let a = rt.spawn::<Adder>(Placement::Thread, 1).unwrap();
+    /// let dag = Dag::<u64>::new();
+    /// let graph = dag.compile(a.add(dag.input()), CompileOptions::default()).unwrap();
+    /// let refs = vec![graph.execute(1).unwrap(), graph.execute(2).unwrap()];
+    /// assert_eq!(refs.get_timeout(Duration::from_secs(10)).unwrap(), vec![2, 3]);
+    /// ```
+    fn get_timeout(&self, timeout: Duration) -> Result<Self::Output> {
+        if self.wait_ready_until(deadline_after(timeout))? {
+            self.claim_ready()
+        } else {
+            Err(Error::Timeout {
+                what: "every result of the set".into(),
+                timeout,
+                hint: "nothing was claimed; call again or raise the timeout".into(),
+            })
+        }
+    }
+
+    /// Waits up to `deadline` until claiming every ref answers at once.
+    #[doc(hidden)]
+    fn wait_ready_until(&self, deadline: Option<Instant>) -> Result<bool>;
+
+    /// Claims every ref (after `wait_ready_until`, without waiting).
+    #[doc(hidden)]
+    fn claim_ready(&self) -> Result<Self::Output>;
 }
 
 impl<T: Value> RefSet for CompiledRef<T> {
@@ -218,12 +316,29 @@ impl<T: Value> RefSet for CompiledRef<T> {
     fn get(self) -> Result<T> {
         CompiledRef::get(self)
     }
+    fn wait_ready_until(&self, deadline: Option<Instant>) -> Result<bool> {
+        self.inner.wait_ready(deadline)
+    }
+    fn claim_ready(&self) -> Result<T> {
+        self.fetch(None)
+    }
 }
 
 impl<R: RefSet> RefSet for Vec<R> {
     type Output = Vec<R::Output>;
     fn get(self) -> Result<Self::Output> {
         self.into_iter().map(RefSet::get).collect()
+    }
+    fn wait_ready_until(&self, deadline: Option<Instant>) -> Result<bool> {
+        for r in self {
+            if !r.wait_ready_until(deadline)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+    fn claim_ready(&self) -> Result<Self::Output> {
+        self.iter().map(RefSet::claim_ready).collect()
     }
 }
 
@@ -233,6 +348,12 @@ macro_rules! tuple_refs {
             type Output = ($($t::Output,)+);
             fn get(self) -> Result<Self::Output> {
                 Ok(($(self.$i.get()?,)+))
+            }
+            fn wait_ready_until(&self, deadline: Option<Instant>) -> Result<bool> {
+                Ok($(self.$i.wait_ready_until(deadline)? &&)+ true)
+            }
+            fn claim_ready(&self) -> Result<Self::Output> {
+                Ok(($(self.$i.claim_ready()?,)+))
             }
         }
     };
@@ -248,4 +369,137 @@ tuple_refs!(A 0, B 1, C 2, D 3, E 4, F 5, G 6, H 7);
 /// Wait for every ref of a list (Ray's `ray.get([refs])`).
 pub fn get_all<R: RefSet>(refs: R) -> Result<R::Output> {
     refs.get()
+}
+
+/// Wait for every ref of a list with one deadline for the whole list (Ray's
+/// `ray.get([refs], timeout=..)`); on a timeout nothing is claimed and the refs stay valid.
+/// See [`RefSet::get_timeout`].
+pub fn get_all_timeout<R: RefSet>(refs: &R, timeout: Duration) -> Result<R::Output> {
+    refs.get_timeout(timeout)
+}
+
+/// The first ref of a list to be ready, claimed, and the others, untouched.
+#[derive(Debug)]
+pub struct First<T> {
+    /// Its index in the list given.
+    pub index: usize,
+    /// Its result: the value, or the error of its execution.
+    pub result: Result<T>,
+    /// The other refs, in their order, still unclaimed.
+    pub rest: Vec<CompiledRef<T>>,
+}
+
+fn no_refs() -> Error {
+    Error::WrongMode {
+        message: "wait_first was given no refs; pass at least one".into(),
+    }
+}
+
+/// Waits until one of `refs` is ready (its value or its error is in) and claims it (Ray's
+/// `ray.wait(refs, num_returns=1)` then `ray.get`). Refs of one graph become ready in
+/// execution order, except that an execution failing fast is ready at once. Fails with
+/// [`Error::Timeout`] when none is ready within `timeout` (then nothing is claimed), or with
+/// the graph's death or teardown. For graphs compiled with `enable_asyncio`, use
+/// [`wait_first_async`].
+///
+/// ```
+/// # use adag::{CompileOptions, Dag, Placement, Runtime};
+/// # use std::time::Duration;
+/// # struct Adder { k: u64 }
+/// # #[adag::actor]
+/// # impl Adder {
+/// #     fn new(k: u64) -> Self { Adder { k } }
+/// #     fn add(&mut self, x: u64) -> u64 { x + self.k }
+/// # }
+/// let rt = Runtime::new().unwrap();
+/// let a = rt.spawn::<Adder>(Placement::Thread, 1).unwrap();
+/// let dag = Dag::<u64>::new();
+/// let graph = dag.compile(a.add(dag.input()), CompileOptions::default()).unwrap();
+/// let refs = vec![graph.execute(1).unwrap(), graph.execute(2).unwrap()];
+/// let first = adag::wait_first(refs, Duration::from_secs(10)).unwrap();
+/// assert_eq!((first.index, first.result.unwrap()), (0, 2));
+/// assert_eq!(first.rest.len(), 1);
+/// ```
+pub fn wait_first<T: Value>(refs: Vec<CompiledRef<T>>, timeout: Duration) -> Result<First<T>> {
+    if refs.is_empty() {
+        return Err(no_refs());
+    }
+    let deadline = deadline_after(timeout);
+    let one_graph = refs
+        .iter()
+        .all(|r| Arc::ptr_eq(&r.inner.owner, &refs[0].inner.owner));
+    // Within one graph, results settle in execution order: waiting on the earliest
+    // execution is waiting for the first. Across graphs, look at each in turn, in slices.
+    let mut slice = Duration::from_millis(1);
+    loop {
+        for i in 0..refs.len() {
+            if refs[i].inner.wait_ready(Some(Instant::now()))? {
+                return Ok(claim_first(refs, i));
+            }
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(Error::Timeout {
+                what: "the first result of the list".into(),
+                timeout,
+                hint: "nothing was claimed; call again or raise the timeout".into(),
+            });
+        }
+        if one_graph {
+            let (i, _) = refs
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, r)| (r.inner.exec, r.inner.output))
+                .expect("not empty");
+            if refs[i].inner.wait_ready(deadline)? {
+                return Ok(claim_first(refs, i));
+            }
+        } else {
+            let end = Instant::now() + slice;
+            let d = Some(deadline.map_or(end, |d| d.min(end)));
+            for i in 0..refs.len() {
+                if refs[i].inner.wait_ready(d)? {
+                    return Ok(claim_first(refs, i));
+                }
+            }
+            slice = (slice * 2).min(Duration::from_millis(20));
+        }
+    }
+}
+
+fn claim_first<T: Value>(mut refs: Vec<CompiledRef<T>>, index: usize) -> First<T> {
+    let r = refs.remove(index);
+    let result = r.fetch(None);
+    First {
+        index,
+        result,
+        rest: refs,
+    }
+}
+
+/// [`wait_first`] for graphs compiled with `enable_asyncio`: resolves when one of `refs` is
+/// ready, claimed; no thread is blocked meanwhile. Drop it to stop waiting (the refs go
+/// with it).
+pub async fn wait_first_async<T: Value>(refs: Vec<CompiledRef<T>>) -> Result<First<T>> {
+    if refs.is_empty() {
+        return Err(no_refs());
+    }
+    let index = std::future::poll_fn(|cx| {
+        for (i, r) in refs.iter().enumerate() {
+            match r.inner.owner.poll_ready(r.inner.exec, r.inner.output, cx) {
+                Poll::Ready(Ok(())) => return Poll::Ready(Ok(i)),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(r.inner.settled(e))),
+                Poll::Pending => {}
+            }
+        }
+        Poll::Pending
+    })
+    .await?;
+    let mut refs = refs;
+    let r = refs.remove(index);
+    let result = r.await;
+    Ok(First {
+        index,
+        result,
+        rest: refs,
+    })
 }

@@ -100,6 +100,20 @@ impl Worker {
         x + self.k
     }
 
+    /// Waits until the file `{dir}/go{x}` exists (30 s at most), then creates
+    /// `{dir}/done{x}` and returns `x + k`: a method the test finishes when it chooses, whose
+    /// end it can see from any process.
+    pub fn wait_file(&mut self, x: u64, dir: String) -> u64 {
+        let dir = std::path::Path::new(&dir);
+        let go = dir.join(format!("go{x}"));
+        let t = std::time::Instant::now();
+        while !go.exists() && t.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let _ = std::fs::write(dir.join(format!("done{x}")), b"");
+        x + self.k
+    }
+
     /// The length of a string.
     pub fn strlen(&mut self, s: String) -> u64 {
         s.len() as u64
@@ -381,4 +395,24 @@ impl Picky {
     pub fn value(&self) -> u64 {
         self.v
     }
+}
+
+/// A fresh, empty directory for files a test and its actors share.
+pub fn scratch_dir(name: &str) -> std::path::PathBuf {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("adag-{name}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// Lets `wait_file(x, dir)` finish.
+pub fn go(dir: &std::path::Path, x: u64) {
+    std::fs::write(dir.join(format!("go{x}")), b"").expect("go file");
+}
+
+/// Whether `wait_file(x, dir)` has finished.
+pub fn done(dir: &std::path::Path, x: u64) -> bool {
+    dir.join(format!("done{x}")).exists()
 }
