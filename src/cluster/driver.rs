@@ -166,7 +166,7 @@ impl ClusterDriver {
                 )));
             };
             if let Some(why) = &h.lost {
-                return Err(RemoteFailure::HostLost(why.clone()));
+                return Err(RemoteFailure::HostLost(lost_text(h, why)));
             }
             h.pending.insert(req, tx);
             h.stream.clone()
@@ -239,7 +239,7 @@ impl ClusterDriver {
             .hosts
             .iter()
             .find(|h| h.info.id == host)
-            .and_then(|h| h.lost.clone())
+            .and_then(|h| h.lost.as_ref().map(|why| lost_text(h, why)))
     }
 
     fn reply(&self, host: u64, req: u64, result: Reply) {
@@ -390,6 +390,14 @@ impl ClusterDriver {
             })?;
         Ok(())
     }
+}
+
+/// Why an actor of lost host `h` is gone, naming the host.
+fn lost_text(h: &Host, why: &str) -> String {
+    format!(
+        "its host {} (id {}) was lost: {why}",
+        h.info.name, h.info.id
+    )
 }
 
 impl Drop for ClusterDriver {
