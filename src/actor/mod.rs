@@ -180,7 +180,7 @@ impl HandleCore {
 
     /// One-off call (used by generated code): the slow path. An actor in a live graph runs
     /// it between two executions of its schedule, never inside one; an actor stuck inside a
-    /// method for [`BUSY_AFTER`](host::BUSY_AFTER) answers [`Error::ActorBusy`] and the call
+    /// method for 2 s answers [`Error::ActorBusy`] and the call
     /// does not run.
     pub fn call<Args: Value, R: Value>(&self, method: &str, args: Args) -> Result<R> {
         match self.0.link.call::<Args, R>(&self.0.name, method, args) {
