@@ -18,30 +18,44 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
 /// The submitters of one graph waiting for room.
 pub(crate) struct SubmitWaiters {
+    /// Bumped on every notification: a thread waits for it to change.
+    generation: AtomicU64,
+    /// Threads waiting plus tasks registered: while 0, a notification (one per execution
+    /// read) costs two atomic operations and takes no lock.
+    waiting: AtomicUsize,
     state: Mutex<WaitState>,
     /// Wakes threads in `execute_wait`.
     cv: Condvar,
 }
 
 struct WaitState {
-    /// Bumped on every notification: a thread waits for it to change.
-    generation: u64,
     /// Tasks in `execute_async_wait`; each is woken once and registers again when polled.
     wakers: HashMap<u64, Waker>,
+    /// Threads in `wait_change`.
+    threads: usize,
     next_id: u64,
+}
+
+impl WaitState {
+    fn count(&self) -> usize {
+        self.wakers.len() + self.threads
+    }
 }
 
 impl SubmitWaiters {
     pub(crate) fn new() -> Self {
         SubmitWaiters {
+            generation: AtomicU64::new(0),
+            waiting: AtomicUsize::new(0),
             state: Mutex::new(WaitState {
-                generation: 0,
                 wakers: HashMap::new(),
+                threads: 0,
                 next_id: 0,
             }),
             cv: Condvar::new(),
@@ -51,15 +65,18 @@ impl SubmitWaiters {
     /// Room may have freed (an execution was read, a ref released) or the graph stopped:
     /// every waiter tries again.
     pub(crate) fn notify(&self) {
+        // Pairs with the waiters' SeqCst store of `waiting` then load of `generation`: either
+        // this sees them waiting, or they see the new generation (and a registered task
+        // tries again in the poll that registered it).
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
         let wakers: Vec<Waker> = {
             let mut s = self.state.lock();
-            s.generation = s.generation.wrapping_add(1);
-            if s.wakers.is_empty() {
-                drop(s);
-                self.cv.notify_all();
-                return;
-            }
-            s.wakers.drain().map(|(_, w)| w).collect()
+            let wakers = s.wakers.drain().map(|(_, w)| w).collect();
+            self.waiting.store(s.count(), Ordering::SeqCst);
+            wakers
         };
         self.cv.notify_all();
         for w in wakers {
@@ -68,26 +85,33 @@ impl SubmitWaiters {
     }
 
     fn generation(&self) -> u64 {
-        self.state.lock().generation
+        self.generation.load(Ordering::SeqCst)
     }
 
     /// Wait until a notification after `seen`; false when `deadline` passed first.
     fn wait_change(&self, seen: u64, deadline: Option<Instant>) -> bool {
         let mut s = self.state.lock();
-        while s.generation == seen {
+        s.threads += 1;
+        self.waiting.store(s.count(), Ordering::SeqCst);
+        let mut changed = true;
+        while self.generation() == seen {
             match deadline {
                 None => self.cv.wait(&mut s),
                 Some(d) => {
-                    if self.cv.wait_until(&mut s, d).timed_out() && s.generation == seen {
-                        return false;
+                    if self.cv.wait_until(&mut s, d).timed_out() && self.generation() == seen {
+                        changed = false;
+                        break;
                     }
                 }
             }
         }
-        true
+        s.threads -= 1;
+        self.waiting.store(s.count(), Ordering::SeqCst);
+        changed
     }
 
-    /// Register (or refresh) a task's waker; returns its id.
+    /// Register (or refresh) a task's waker; returns its id. The caller tries to submit
+    /// after this, so a notification in between is not lost.
     fn register(&self, id: Option<u64>, waker: &Waker) -> u64 {
         let mut s = self.state.lock();
         let id = id.unwrap_or_else(|| {
@@ -95,11 +119,15 @@ impl SubmitWaiters {
             s.next_id
         });
         s.wakers.insert(id, waker.clone());
+        self.waiting.store(s.count(), Ordering::SeqCst);
         id
     }
 
     fn unregister(&self, id: u64) {
-        self.state.lock().wakers.remove(&id);
+        let mut s = self.state.lock();
+        if s.wakers.remove(&id).is_some() {
+            self.waiting.store(s.count(), Ordering::SeqCst);
+        }
     }
 }
 
@@ -163,6 +191,9 @@ impl<I: Value> Future for Submit<I> {
         }
         // Register before trying: room freed after the attempt then wakes this task.
         this.waiter = Some(this.shared.submit_waiters.register(this.waiter, cx.waker()));
+        // Synchronizes with any notification that did not see this task registered, so the
+        // attempt below sees the room that notification announced.
+        this.shared.submit_waiters.generation();
         match this.shared.execute(&this.input) {
             Err(Error::CapacityExceeded {
                 capacity: Capacity::InflightExecutions,
