@@ -527,3 +527,33 @@ fn async_pipeline_yields_every_result_in_order_with_depth_in_flight() {
         },
     );
 }
+
+#[test]
+fn waiting_variants_refuse_the_other_mode_and_are_send() {
+    fn assert_send<T: Send>(_: &T) {}
+    let rt = Runtime::new().unwrap();
+    let a = worker(&rt, adag::Placement::Thread, 0);
+    let g = async_graph(&a, 2, Duration::from_secs(5));
+    assert!(matches!(g.execute_wait(1), Err(Error::WrongMode { .. })));
+    let wait = g.execute_async_wait(1);
+    assert_send(&wait);
+    assert_eq!(block_on(async { wait.await?.await }).unwrap(), 1);
+    let pipe = g.pipeline_async(0..3, 2).unwrap();
+    assert_send(&pipe);
+    drop(pipe);
+    drop(g);
+
+    let dag = Dag::<u64>::new();
+    let g = dag
+        .compile(a.echo(dag.input()), CompileOptions::default())
+        .unwrap();
+    assert!(matches!(
+        block_on(g.execute_async_wait(1)),
+        Err(Error::WrongMode { .. })
+    ));
+    assert!(matches!(
+        g.pipeline_async(0..1, 1),
+        Err(Error::WrongMode { .. })
+    ));
+    assert_eq!(g.execute_wait(2).unwrap().get().unwrap(), 2);
+}
