@@ -182,6 +182,14 @@ pub enum Error {
         /// The codec's message.
         message: String,
     },
+    /// An argument of a call is outside the range it accepts; nothing was done.
+    #[error("invalid argument `{name}`: {message}")]
+    InvalidArgument {
+        /// The argument.
+        name: String,
+        /// The range it accepts and what to pass.
+        message: String,
+    },
     /// An operating-system call failed.
     #[error("{context}: {message}")]
     Io {

@@ -28,12 +28,12 @@ pub use dag::{
 };
 pub use error::{Capacity, CompileProblem, Error, MethodError, Result};
 pub use exec::{
-    ActorStats, CommunicatorInfo, CompiledGraph, CompiledRef, EdgeStats, First, GraphStats,
-    IndexedInput, IntoOutputs, OpKind, RefSet, Timeline, TimelineEvent, get_all, get_all_timeout,
-    wait_first, wait_first_async,
+    ActorStats, AsyncPipeline, AsyncRefSet, CommunicatorInfo, CompiledGraph, CompiledRef,
+    EdgeStats, First, GraphStats, IndexedInput, IntoOutputs, OpKind, Pipeline, RefSet, Timeline,
+    TimelineEvent, get_all, get_all_timeout, wait_first, wait_first_async,
 };
 pub use tensor::{DType, Device, Element, Tensor, TensorError};
-pub use value::{TypeTag, Value};
+pub use value::{AnyValue, TypeTag, Value};
 
 /// Start-up hook: in a worker process started by a driver this runs the worker and never
 /// returns; in any other process it does nothing. Called automatically before `main` in

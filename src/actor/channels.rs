@@ -6,16 +6,16 @@
 use super::observe::EdgeCount;
 use crate::channel::local::LocalHub;
 use crate::channel::shm::{ShmChannel, ShmConfig, ShmRx, ShmTx};
-use crate::channel::{EndCounters, FanOut, Reader, Writer};
+use crate::channel::{ChanError, EndCounters, FanOut, Msg, Reader, Writer};
 use crate::compile::plan::{ChannelKind, GraphPlan, Loc};
 use crate::error::{Error, Result};
-use crate::value::Value;
+use crate::value::{AnyValue, Value};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How the driver sizes the channels of a graph (from the compile options).
 pub(crate) struct ChannelSizes {
@@ -226,4 +226,37 @@ impl GraphChannels {
         }
         self.local.close();
     }
+}
+
+/// A reader of one edge whose type the caller does not know statically (a by-name output):
+/// values come out as [`AnyValue`].
+pub(crate) trait ErasedReader: Send {
+    /// Read the next message, waiting until `deadline` (`None`: until the channel closes).
+    fn read(&mut self, deadline: Option<Instant>) -> Result<Msg<AnyValue>, ChanError>;
+}
+
+/// Opens the reading end of an edge for the endpoint `me` as an [`ErasedReader`]; made where
+/// the edge's type is known (the method table of an actor type).
+pub(crate) type ErasedReaderFn =
+    fn(&GraphChannels, &GraphPlan, u64, Loc) -> std::result::Result<Box<dyn ErasedReader>, String>;
+
+struct Erased<T>(Reader<T>);
+
+impl<T: Value> ErasedReader for Erased<T> {
+    fn read(&mut self, deadline: Option<Instant>) -> Result<Msg<AnyValue>, ChanError> {
+        Ok(match self.0.read(deadline)? {
+            Msg::Value(v) => Msg::Value(AnyValue::new(v)),
+            Msg::Error(e) => Msg::Error(e),
+        })
+    }
+}
+
+/// The [`ErasedReaderFn`] of an edge carrying `T`.
+pub(crate) fn erased_reader<T: Value>(
+    chans: &GraphChannels,
+    plan: &GraphPlan,
+    edge: u64,
+    me: Loc,
+) -> std::result::Result<Box<dyn ErasedReader>, String> {
+    Ok(Box::new(Erased(chans.reader::<T>(plan, edge, me)?)))
 }

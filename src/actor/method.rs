@@ -4,7 +4,7 @@
 //! generic code here turns it into the operations of an actor's schedule. All type dispatch
 //! happens once, when the schedule is installed: the loop then runs boxed closures over
 //! typed slots and channels, with no lookup by name.
-use super::channels::GraphChannels;
+use super::channels::{ErasedReaderFn, GraphChannels, erased_reader};
 use crate::channel::slot::LocalSlot;
 use crate::channel::{ChanError, ChannelReader, ChannelWriter, Msg};
 use crate::compile::plan::{ArgSource, GraphPlan, Loc};
@@ -68,21 +68,34 @@ pub(crate) trait ErasedMethod<A>: Send + Sync {
         source: u64,
         index: usize,
     ) -> Result<Op<A>, String>;
+    /// Opens a driver's reader of the method's result, without the caller knowing its type
+    /// (a by-name output).
+    fn output_reader(&self) -> ErasedReaderFn;
+    /// The same for element `index` of a tuple result; `None` when the result is not a
+    /// tuple or has no such element.
+    fn elem_reader(&self, index: usize) -> Option<ErasedReaderFn>;
 }
 
 struct Method<A, Args, R> {
     name: &'static str,
     f: fn(&mut A, Args) -> Result<R, MethodError>,
-    split: Option<SplitFn<A>>,
+    split: Option<Split<A>>,
 }
 
 type SplitFn<A> = fn(&mut TaskBuilder<'_, A>, u64, u64, usize) -> Result<Op<A>, String>;
+
+/// What a method returning a tuple knows of its elements, fixed where their types are known.
+struct Split<A> {
+    build: SplitFn<A>,
+    tags: fn() -> Vec<TypeTag>,
+    reader: fn(usize) -> Option<ErasedReaderFn>,
+}
 
 fn entry<A: 'static, Args: ArgTuple, R: Value>(
     name: &'static str,
     arg_names: &'static [&'static str],
     f: fn(&mut A, Args) -> Result<R, MethodError>,
-    split: Option<SplitFn<A>>,
+    split: Option<Split<A>>,
 ) -> MethodEntry<A> {
     MethodEntry {
         name,
@@ -106,7 +119,16 @@ pub fn method_split<A: 'static, Args: ArgTuple, R: SplitTuple>(
     arg_names: &'static [&'static str],
     f: fn(&mut A, Args) -> Result<R, MethodError>,
 ) -> MethodEntry<A> {
-    entry(name, arg_names, f, Some(R::build_split::<A>))
+    entry(
+        name,
+        arg_names,
+        f,
+        Some(Split {
+            build: R::build_split::<A>,
+            tags: R::tags,
+            reader: R::elem_reader,
+        }),
+    )
 }
 
 /// What a method's panic becomes: its text and, when `RUST_BACKTRACE` (or
@@ -170,6 +192,7 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
             names: &[],
             args: Args::tags(),
             ret: TypeTag::of::<R>(),
+            elems: self.split.as_ref().map(|s| (s.tags)()),
         }
     }
 
@@ -242,13 +265,21 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
         source: u64,
         index: usize,
     ) -> Result<Op<A>, String> {
-        match self.split {
-            Some(split) => split(b, node, source, index),
+        match &self.split {
+            Some(split) => (split.build)(b, node, source, index),
             None => Err(format!(
                 "method {} does not return a tuple, so its result cannot be split",
                 self.name
             )),
         }
+    }
+
+    fn output_reader(&self) -> ErasedReaderFn {
+        erased_reader::<R>
+    }
+
+    fn elem_reader(&self, index: usize) -> Option<ErasedReaderFn> {
+        self.split.as_ref().and_then(|s| (s.reader)(index))
     }
 }
 
@@ -346,6 +377,13 @@ pub trait SplitTuple: Value {
         source: u64,
         index: usize,
     ) -> Result<Op<A>, String>;
+    /// The element types, in order.
+    #[doc(hidden)]
+    fn tags() -> Vec<TypeTag>;
+    /// A driver's reader of element `index` whose type the caller does not know.
+    #[doc(hidden)]
+    #[allow(private_interfaces)]
+    fn elem_reader(index: usize) -> Option<ErasedReaderFn>;
 }
 
 macro_rules! split_tuple {
@@ -356,6 +394,16 @@ macro_rules! split_tuple {
                 match index {
                     $($i => b.split_op::<Self, $t>(node, source, |t: Self| t.$i),)+
                     _ => Err(format!("tuple has no element {index}")),
+                }
+            }
+            fn tags() -> Vec<TypeTag> {
+                vec![$(TypeTag::of::<$t>()),+]
+            }
+            #[allow(private_interfaces)]
+            fn elem_reader(index: usize) -> Option<ErasedReaderFn> {
+                match index {
+                    $($i => Some(erased_reader::<$t> as ErasedReaderFn),)+
+                    _ => None,
                 }
             }
         }

@@ -67,6 +67,9 @@ pub(crate) struct ActorShared {
     pub type_name: &'static str,
     pub signature: fn(&str) -> Option<MethodSig>,
     pub method_names: fn() -> Vec<&'static str>,
+    /// A driver's reader of a method's result (`None`) or of element `i` of its tuple result
+    /// (`Some(i)`), for by-name outputs; `None` for an unknown method or element.
+    pub output_reader: fn(&str, Option<usize>) -> Option<channels::ErasedReaderFn>,
     pub link: host::ActorLink,
     /// The live compiled graph this actor belongs to.
     pub live_graph: Arc<Mutex<Option<u64>>>,
@@ -156,6 +159,16 @@ impl HandleCore {
     /// The actor as graphs refer to it.
     pub fn actor_ref(&self) -> ActorRef {
         ActorRef(self.0.clone())
+    }
+
+    /// How the driver reads the result of `method` (or element `elem` of its tuple result)
+    /// without knowing its type: `None` when there is no such method or element.
+    pub(crate) fn output_reader(
+        &self,
+        method: &str,
+        elem: Option<usize>,
+    ) -> Option<channels::ErasedReaderFn> {
+        (self.0.output_reader)(method, elem)
     }
 
     /// The handle of the actor behind a graph's reference, if it is one of this runtime's.

@@ -81,6 +81,17 @@ fn signature<A: Actor>(name: &str) -> Option<MethodSig> {
     super::method::find(A::methods(), name).map(|m| m.sig())
 }
 
+fn output_reader<A: Actor>(
+    name: &str,
+    elem: Option<usize>,
+) -> Option<super::channels::ErasedReaderFn> {
+    let m = super::method::find(A::methods(), name)?;
+    match elem {
+        None => Some(m.imp.output_reader()),
+        Some(i) => m.imp.elem_reader(i),
+    }
+}
+
 fn method_names<A: Actor>() -> Vec<&'static str> {
     A::methods().iter().map(|m| m.name).collect()
 }
@@ -228,6 +239,7 @@ impl Runtime {
             type_name: A::type_name(),
             signature: signature::<A>,
             method_names: method_names::<A>,
+            output_reader: output_reader::<A>,
             link,
             live_graph,
             device,

@@ -13,6 +13,9 @@ pub(crate) struct MethodSig {
     /// The parameter names, for error messages.
     pub names: &'static [&'static str],
     pub ret: TypeTag,
+    /// The element types when the method returns a tuple the graph may split (2 to 8
+    /// elements); `None` otherwise.
+    pub elems: Option<Vec<TypeTag>>,
 }
 
 /// What a graph needs to know of an actor, whatever hosts it.

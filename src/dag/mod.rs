@@ -4,6 +4,7 @@
 //! Nodes are cheap handles (`Arc`) that point at their arguments, so a graph is the set of
 //! nodes reachable from its outputs. Every node gets a global creation number: bind order,
 //! which is a topological order, and which fixes the order in which one actor runs its tasks.
+use crate::error::{Error, Result};
 use crate::value::{TypeTag, Value, encode};
 use parking_lot::Mutex;
 use std::any::Any;
@@ -310,6 +311,76 @@ impl AnyNode {
     /// The node's name as errors show it.
     pub fn describe(&self) -> String {
         self.inner.describe()
+    }
+
+    /// Split the tuple result of a by-name method into one node per element (the by-name
+    /// [`Node::split`]), each typed like its element.
+    ///
+    /// Only the node of a method returning a tuple (of 2 to 8 elements) splits; any other
+    /// node is an [`Error::Compile`] naming the node and the method.
+    ///
+    /// ```
+    /// # use adag::{Dag, ErasedArg, Placement, Runtime};
+    /// # pub struct M;
+    /// # #[adag::actor]
+    /// # impl M {
+    /// #     pub fn new() -> Self { M }
+    /// #     pub fn divmod(&mut self, a: u64) -> (u64, String) { (a / 2, format!("{}", a % 2)) }
+    /// #     pub fn twice(&mut self, a: u64) -> u64 { 2 * a }
+    /// # }
+    /// let rt = Runtime::new()?;
+    /// let m = rt.spawn::<M>(Placement::Thread, ())?;
+    /// let dag = Dag::<u64>::new();
+    /// let x = ErasedArg::from(dag.input().erase());
+    /// let parts = m.method("divmod")?.bind([x.clone()]).split()?;
+    /// assert_eq!(parts.len(), 2);
+    /// assert_eq!(parts[1].type_name(), "alloc::string::String");
+    /// let err = m.method("twice")?.bind([x]).split().unwrap_err().to_string();
+    /// assert!(err.contains("twice") && err.contains("not a tuple"), "{err}");
+    /// # Ok::<(), adag::Error>(())
+    /// ```
+    pub fn split(&self) -> Result<Vec<AnyNode>> {
+        let NodeKind::Method { actor, method, .. } = &self.inner.kind else {
+            return Err(Error::compile(
+                self.describe(),
+                format!(
+                    "only the result of a method can be split, and this node is not a method call (its type is {})",
+                    self.type_name()
+                ),
+            ));
+        };
+        let Some(sig) = actor.signature(method) else {
+            return Err(Error::compile(
+                self.describe(),
+                format!("actor {} has no method `{method}`", actor.name()),
+            ));
+        };
+        let Some(elems) = sig.elems else {
+            return Err(Error::compile(
+                self.describe(),
+                format!(
+                    "method `{method}` of actor {} returns {}, not a tuple; only a method returning a tuple of 2 to 8 elements can be split (use the node itself as the output or argument)",
+                    actor.name(),
+                    sig.ret.name()
+                ),
+            ));
+        };
+        Ok(elems
+            .into_iter()
+            .enumerate()
+            .map(|(index, ty)| AnyNode {
+                inner: NodeInner::with_foreign(
+                    self.inner.dag.clone(),
+                    self.inner.foreign,
+                    NodeKind::Split {
+                        source: self.inner.clone(),
+                        index,
+                    },
+                    ty,
+                    None,
+                ),
+            })
+            .collect())
     }
 }
 

@@ -23,11 +23,14 @@ mod comms;
 mod gather;
 mod input;
 mod output;
+mod pipeline;
 mod pump;
 mod refs;
 mod stats;
 mod timeline;
+mod timer;
 pub(crate) mod viz;
+mod wait;
 use comms::CommSetup;
 pub use comms::CommunicatorInfo;
 use gather::{Gather, OutputEdge, Results};
@@ -36,6 +39,7 @@ pub use input::IndexedInput;
 pub use output::IntoOutputs;
 #[doc(hidden)]
 pub use output::OutputSpec;
+pub use pipeline::{AsyncPipeline, AsyncRefSet, Pipeline};
 pub use refs::{
     CompiledRef, ExecToken, First, RefFuture, RefSet, get_all, get_all_timeout, wait_first,
     wait_first_async,
@@ -138,6 +142,8 @@ pub(crate) struct GraphShared<I> {
     comms: CommSetup,
     /// Statistics and the timeline.
     obs: stats::Observers,
+    /// Submitters waiting for room (`execute_wait`, `execute_async_wait`).
+    submit_waiters: wait::SubmitWaiters,
 }
 
 /// A compiled graph: execute it many times, then tear it down (also on drop).
@@ -422,6 +428,7 @@ fn start<I: Value>(
         room: Condvar::new(),
         comms,
         obs,
+        submit_waiters: wait::SubmitWaiters::new(),
     });
     if shared.opts.enable_asyncio {
         pump::start(&shared).inspect_err(|_| {
@@ -535,6 +542,7 @@ impl<I: Value> GraphShared<I> {
             Ok(results) => Ok(self.store(exec, results, want, rs.drained())),
             Err((edge, e)) => {
                 self.drained.store(rs.drained(), Ordering::Release);
+                self.submit_waiters.notify();
                 Err(self.edge_error(rs, edge, exec, e, timeout))
             }
         }
@@ -600,6 +608,8 @@ impl<I: Value> GraphShared<I> {
         for w in wake {
             w.wake();
         }
+        // An execution was read: room for one more.
+        self.submit_waiters.notify();
         wanted
     }
 
@@ -647,6 +657,8 @@ impl<I: Value> GraphShared<I> {
         for w in wake {
             w.wake();
         }
+        // The pump drained leftovers: room for the waiting submitters too.
+        self.submit_waiters.notify();
     }
 
     fn execute(self: &Arc<Self>, input: &I) -> Result<ExecToken> {
@@ -667,6 +679,7 @@ impl<I: Value> GraphShared<I> {
                 if self.drained.load(Ordering::Acquire) < next {
                     let drained = rs.drain(next, deadline);
                     self.drained.store(rs.drained(), Ordering::Release);
+                    self.submit_waiters.notify();
                     match drained {
                         Ok(()) => {}
                         Err((_, ChanError::Timeout)) => break,
@@ -802,6 +815,7 @@ impl<I: Value> GraphShared<I> {
             w.wake();
         }
         self.room.notify_all();
+        self.submit_waiters.notify();
         let deadline = Instant::now() + self.opts.teardown_timeout;
         let mut stuck = Vec::new();
         let mut stuck_done = Vec::new();
@@ -1059,6 +1073,8 @@ impl<I: Value> RefOwner for GraphShared<I> {
         }
         drop(r);
         self.room.notify_all();
+        // A dropped ref lets `execute` discard its unread execution.
+        self.submit_waiters.notify();
     }
 
     fn describe_output(&self, output: usize) -> String {

@@ -2,11 +2,14 @@
 //! a tuple, a `Vec` or a [`MultiOutput`]), and the typed readers of the output channels.
 use super::DriverIo;
 use super::refs::{CompiledRef, ExecToken};
+use crate::actor::HandleCore;
+use crate::actor::channels::{ErasedReader, ErasedReaderFn, erased_reader};
 use crate::channel::{ChanError, Msg, Reader};
-use crate::compile::plan::GraphPlan;
-use crate::dag::{AnyNode, MultiOutput, Node};
-use crate::error::{Result, TaskError};
-use crate::value::Value;
+use crate::compile::plan::{GraphPlan, Loc};
+use crate::dag::{AnyNode, MultiOutput, Node, NodeKind};
+use crate::error::{Error, Result, TaskError};
+use crate::tensor::Tensor;
+use crate::value::{AnyValue, TypeTag, Value};
 use std::any::Any;
 use std::sync::Arc;
 use std::time::Instant;
@@ -114,18 +117,145 @@ impl<T: Value> OutputReader for TypedOutput<T> {
     }
 }
 
+/// Reads an output edge whose type is known only to the method table (a by-name output).
+struct ErasedOutput(Box<dyn ErasedReader>);
+
+impl OutputReader for ErasedOutput {
+    fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<EdgeRead, ChanError> {
+        let msg = self.0.read(deadline)?;
+        let error = match &msg {
+            Msg::Error(e) => Some(e.clone()),
+            Msg::Value(_) => None,
+        };
+        let mut values: Vec<Box<dyn Any + Send>> = (1..copies)
+            .map(|_| Box::new(msg.clone()) as Box<dyn Any + Send>)
+            .collect();
+        values.push(Box::new(msg));
+        Ok(EdgeRead { values, error })
+    }
+}
+
+type MakeReader = dyn Fn(&DriverIo, &GraphPlan, u64) -> Result<Box<dyn OutputReader>> + Send + Sync;
+
 /// One output of a graph with the typed code that reads it (built by [`IntoOutputs`]).
 #[doc(hidden)]
 pub struct OutputSpec {
     pub(crate) node: AnyNode,
-    pub(crate) make: fn(&DriverIo, &GraphPlan, u64) -> Result<Box<dyn OutputReader>>,
+    pub(crate) make: Box<MakeReader>,
 }
 
 impl OutputSpec {
     pub(crate) fn of<T: Value>(node: AnyNode) -> Self {
         OutputSpec {
             node,
-            make: |io, plan, edge| Ok(Box::new(TypedOutput::<T>(io.reader::<T>(plan, edge)?))),
+            make: Box::new(|io, plan, edge| {
+                Ok(Box::new(TypedOutput::<T>(io.reader::<T>(plan, edge)?)))
+            }),
         }
+    }
+
+    /// An output whose type the caller does not know: its reader comes from the method
+    /// table of the actor that computes it, and yields [`AnyValue`]s.
+    pub(crate) fn erased(node: AnyNode) -> Self {
+        let at = node.clone();
+        OutputSpec {
+            node,
+            make: Box::new(move |io, plan, edge| {
+                let open = erased_reader_of(&at)?;
+                let reader = open(&io.chans, plan, edge, Loc::Driver)
+                    .map_err(|e| Error::compile(at.describe(), e))?;
+                Ok(Box::new(ErasedOutput(reader)))
+            }),
+        }
+    }
+}
+
+/// How the driver reads a by-name node's value: found in the method table of its actor for
+/// a method call or an element of its tuple result; collectives carry tensors.
+fn erased_reader_of(node: &AnyNode) -> Result<ErasedReaderFn> {
+    let (actor, method, elem) = match &node.inner.kind {
+        NodeKind::Method { actor, method, .. } => (actor, method, None),
+        NodeKind::Split { source, index } => match &source.kind {
+            NodeKind::Method { actor, method, .. } => (actor, method, Some(*index)),
+            _ => {
+                return Err(Error::compile(
+                    node.describe(),
+                    "only the result of a method can be split",
+                ));
+            }
+        },
+        NodeKind::Collective { .. } if node.inner.ty == TypeTag::of::<Tensor>() => {
+            return Ok(erased_reader::<Tensor>);
+        }
+        _ => {
+            return Err(Error::compile(
+                node.describe(),
+                format!(
+                    "this node ({}) cannot be a by-name output: only method calls, their split elements and collectives can; use the typed node as the output",
+                    node.type_name()
+                ),
+            ));
+        }
+    };
+    let handle = HandleCore::of(actor).ok_or_else(|| {
+        Error::compile(
+            node.describe(),
+            "its actor was not spawned by an adag Runtime; spawn it with Runtime::spawn",
+        )
+    })?;
+    handle.output_reader(method, elem).ok_or_else(|| {
+        Error::compile(
+            node.describe(),
+            match elem {
+                None => format!("actor {} has no method `{method}`", handle.name()),
+                Some(i) => format!(
+                    "method `{method}` of actor {} has no tuple element {i} to read",
+                    handle.name()
+                ),
+            },
+        )
+    })
+}
+
+/// A by-name node as an output: its ref yields an [`AnyValue`] (downcast it to the method's
+/// return type).
+///
+/// ```
+/// # use adag::{AnyValue, CompileOptions, Dag, ErasedArg, Placement, Runtime};
+/// # pub struct W;
+/// # #[adag::actor]
+/// # impl W { pub fn new() -> Self { W } pub fn twice(&mut self, x: u64) -> u64 { 2 * x } }
+/// let rt = Runtime::new()?;
+/// let w = rt.spawn::<W>(Placement::Thread, ())?;
+/// let dag = Dag::<u64>::new();
+/// let y = w.method("twice")?.bind([ErasedArg::from(dag.input().erase())]);
+/// let graph = dag.compile(y, CompileOptions::default())?;
+/// let value: AnyValue = graph.execute(21)?.get()?;
+/// assert_eq!(value.type_name(), "u64");
+/// assert_eq!(value.downcast::<u64>().ok(), Some(42));
+/// # Ok::<(), adag::Error>(())
+/// ```
+impl IntoOutputs for AnyNode {
+    type Refs = CompiledRef<AnyValue>;
+    fn output_specs(&self) -> Vec<OutputSpec> {
+        vec![OutputSpec::erased(self.clone())]
+    }
+    fn make_refs(&self, token: &ExecToken, first: usize) -> (Self::Refs, usize) {
+        (CompiledRef::new(token, first), first + 1)
+    }
+}
+
+/// Several by-name outputs: one ref per node, in order.
+impl IntoOutputs for Vec<AnyNode> {
+    type Refs = Vec<CompiledRef<AnyValue>>;
+    fn output_specs(&self) -> Vec<OutputSpec> {
+        self.iter().cloned().map(OutputSpec::erased).collect()
+    }
+    fn make_refs(&self, token: &ExecToken, first: usize) -> (Self::Refs, usize) {
+        let end = first + self.len();
+        (
+            (first..end).map(|i| CompiledRef::new(token, i)).collect(),
+            end,
+        )
     }
 }

@@ -2,7 +2,10 @@
 use serde::{Serialize, de::DeserializeOwned};
 use std::any::TypeId;
 
+mod any;
 pub(crate) mod frame;
+
+pub use any::AnyValue;
 
 /// A value that can travel along an edge of a compiled graph.
 ///
