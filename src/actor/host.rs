@@ -111,6 +111,26 @@ pub(crate) fn read_between<T>(reader: &mut Reader<T>) -> Result<Msg<T>, ChanErro
     }
 }
 
+/// Runs an operation of the schedule; when it is the first (`first`), its read may give up
+/// waiting for the next execution so that a queued one-off call runs: that is `None`, and
+/// nothing of the next execution was read.
+fn between(
+    first: bool,
+    run: impl FnOnce() -> Result<(), ChanError>,
+) -> Option<Result<(), ChanError>> {
+    if !first {
+        return Some(run());
+    }
+    BETWEEN.set(true);
+    let r = run();
+    BETWEEN.set(false);
+    if matches!(r, Err(ChanError::Timeout)) && INTERRUPTED.replace(false) {
+        None
+    } else {
+        Some(r)
+    }
+}
+
 /// How the driver reaches an actor.
 pub(crate) enum ActorLink {
     Thread(ThreadLink),
@@ -153,6 +173,31 @@ pub(crate) struct RunRequest {
     pub done: Sender<String>,
     /// Where the loop records its counters and, if asked, its timeline.
     pub recorder: Recorder,
+}
+
+/// The arguments of a one-off call to an actor in another process.
+pub(crate) fn encode_args<Args: Value>(actor: &str, method: &str, args: &Args) -> Result<Vec<u8>> {
+    crate::value::encode(args).map_err(|e| Error::Call {
+        actor: actor.to_string(),
+        method: method.to_string(),
+        message: format!("cannot encode the arguments: {e}"),
+    })
+}
+
+/// The result of a one-off call to an actor in another process; `stale` says where a type
+/// mismatch most likely comes from.
+pub(crate) fn decode_result<R: Value>(
+    actor: &str,
+    method: &str,
+    bytes: &[u8],
+    stale: &str,
+) -> Result<R> {
+    crate::value::decode::<R>(bytes).map_err(|e| Error::Codec {
+        op: "decode",
+        ty: std::any::type_name::<R>().into(),
+        place: format!("the result of {actor}.{method}"),
+        message: format!("{e}; {stale}"),
+    })
 }
 
 pub(crate) fn call_failure(actor: &str, method: &str, failure: CallFailure) -> Error {
@@ -456,25 +501,19 @@ impl<A: Actor> ErasedHost for Host<A> {
                 }
                 let timed = exec.is_multiple_of(BUSY_SAMPLE);
                 for (i, (op, compute)) in ops.iter_mut().zip(&computes).enumerate() {
-                    let first = i == 0;
-                    if first {
-                        BETWEEN.set(true);
-                    }
-                    let r = if timed && *compute {
-                        let start = mono_ns();
-                        let r = op(&mut self.actor);
-                        bump(&counters.busy_ns, mono_ns() - start);
-                        r
-                    } else {
-                        op(&mut self.actor)
-                    };
-                    if first {
-                        BETWEEN.set(false);
-                        // Interrupted between executions (nothing of the next one was read).
-                        if matches!(r, Err(ChanError::Timeout)) && INTERRUPTED.replace(false) {
-                            continue 'run;
+                    let actor = &mut self.actor;
+                    let ran = between(i == 0, || {
+                        if timed && *compute {
+                            let start = mono_ns();
+                            let r = op(actor);
+                            bump(&counters.busy_ns, mono_ns() - start);
+                            r
+                        } else {
+                            op(actor)
                         }
-                    }
+                    });
+                    // Interrupted between executions (nothing of the next one was read).
+                    let Some(r) = ran else { continue 'run };
                     if let Err(e) = r {
                         break 'run format!("{e:?}");
                     }
@@ -494,25 +533,19 @@ impl<A: Actor> ErasedHost for Host<A> {
                 }
                 let _exec = traced.then(|| tracing::trace_span!("execution", exec).entered());
                 for (i, op) in ops.iter_mut().enumerate() {
-                    let first = i == 0;
-                    if first {
-                        BETWEEN.set(true);
-                    }
+                    let actor = &mut self.actor;
                     let start = mono_ns();
-                    let r = if traced {
-                        let (kind, name) = &names[i];
-                        let _task = tracing::trace_span!("task", kind, %name).entered();
-                        op(&mut self.actor)
-                    } else {
-                        op(&mut self.actor)
-                    };
-                    let end = mono_ns();
-                    if first {
-                        BETWEEN.set(false);
-                        if matches!(r, Err(ChanError::Timeout)) && INTERRUPTED.replace(false) {
-                            continue 'run;
+                    let ran = between(i == 0, || {
+                        if traced {
+                            let (kind, name) = &names[i];
+                            let _task = tracing::trace_span!("task", kind, %name).entered();
+                            op(actor)
+                        } else {
+                            op(actor)
                         }
-                    }
+                    });
+                    let end = mono_ns();
+                    let Some(r) = ran else { continue 'run };
                     if let Err(e) = r {
                         break 'run format!("{e:?}");
                     }

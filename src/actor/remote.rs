@@ -7,7 +7,7 @@ use crate::cluster::agent::{AgentServices, DeathReporter};
 use crate::cluster::driver::ClusterDriver;
 use crate::cluster::wire::{AgentReply, AgentRequest, RemoteFailure};
 use crate::error::{Error, Result};
-use crate::value::{Value, decode, encode};
+use crate::value::Value;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -85,7 +85,6 @@ impl RemoteLink {
                 init,
             },
         );
-        let where_ = cluster.describe_host(host);
         match reply {
             Ok(AgentReply::Spawned { pid }) => Ok(RemoteLink {
                 cluster,
@@ -99,14 +98,21 @@ impl RemoteLink {
                 cluster.forget(host, id);
                 Err(Error::Spawn {
                     actor: name.to_string(),
-                    message: format!("{where_} answered {other:?} to a spawn"),
+                    message: format!(
+                        "{} answered {other:?} to a spawn",
+                        cluster.describe_host(host)
+                    ),
                 })
             }
             Err(f) => {
                 cluster.forget(host, id);
                 Err(Error::Spawn {
                     actor: name.to_string(),
-                    message: format!("on {where_}: {}", remote_error(name, "new", f)),
+                    message: format!(
+                        "on {}: {}",
+                        cluster.describe_host(host),
+                        remote_error(name, "new", f)
+                    ),
                 })
             }
         }
@@ -124,11 +130,7 @@ impl RemoteLink {
                 reason: why,
             });
         }
-        let args = encode(&args).map_err(|e| Error::Call {
-            actor: actor.to_string(),
-            method: method.to_string(),
-            message: format!("cannot encode the arguments: {e}"),
-        })?;
+        let args = super::host::encode_args(actor, method, &args)?;
         let reply = self.cluster.request(
             self.host,
             AgentRequest::Call {
@@ -148,12 +150,12 @@ impl RemoteLink {
             }
             Err(f) => return Err(remote_error(actor, method, f)),
         };
-        decode::<R>(&bytes).map_err(|e| Error::Codec {
-            op: "decode",
-            ty: std::any::type_name::<R>().into(),
-            place: format!("the result of {actor}.{method}"),
-            message: format!("{e}; the host's worker returns another type (a stale binary there?)"),
-        })
+        super::host::decode_result(
+            actor,
+            method,
+            &bytes,
+            "the host's worker returns another type (a stale binary there?)",
+        )
     }
 
     pub(crate) fn kill(&self) -> Result<()> {

@@ -9,7 +9,7 @@ use crate::cluster::{ClusterOptions, HostInfo};
 use crate::dag::MethodSig;
 use crate::error::{Error, Result};
 use crate::tensor::Device;
-use crate::value::encode;
+use crate::value::{Value, encode};
 use parking_lot::Mutex;
 use std::net::SocketAddr;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -198,10 +198,7 @@ impl Runtime {
                         ),
                     });
                 };
-                let init = encode(&init).map_err(|e| Error::Spawn {
-                    actor: name.clone(),
-                    message: format!("cannot encode the init arguments: {e}"),
-                })?;
+                let init = encode_init(&name, &init)?;
                 ActorLink::Remote(RemoteLink::spawn(
                     cluster,
                     host,
@@ -213,10 +210,7 @@ impl Runtime {
                 )?)
             }
             Placement::Process | Placement::Host(_) => {
-                let init = encode(&init).map_err(|e| Error::Spawn {
-                    actor: name.clone(),
-                    message: format!("cannot encode the init arguments: {e}"),
-                })?;
+                let init = encode_init(&name, &init)?;
                 ActorLink::Process(ProcessLink::spawn(
                     id,
                     &name,
@@ -246,6 +240,14 @@ impl Runtime {
         }));
         Ok(ActorHandle::from_core(core))
     }
+}
+
+/// The init arguments of an actor started in another process.
+fn encode_init<T: Value>(name: &str, init: &T) -> Result<Vec<u8>> {
+    encode(init).map_err(|e| Error::Spawn {
+        actor: name.to_string(),
+        message: format!("cannot encode the init arguments: {e}"),
+    })
 }
 
 fn spawn_thread<A: Actor>(id: u64, name: &str, init: A::Init) -> Result<ThreadLink> {

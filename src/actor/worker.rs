@@ -14,7 +14,7 @@ use super::wire::{self, FromWorker, ToWorker, WireFailure};
 use crate::channel::wait::DEFAULT_SPIN;
 use crate::compile::plan::{GraphPlan, Loc};
 use crate::error::{Error, Result};
-use crate::value::{Value, decode, encode};
+use crate::value::Value;
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -304,22 +304,16 @@ impl ProcessLink {
         method: &str,
         args: Args,
     ) -> Result<R> {
-        let args = encode(&args).map_err(|e| Error::Call {
-            actor: actor.to_string(),
-            method: method.to_string(),
-            message: format!("cannot encode the arguments: {e}"),
-        })?;
+        let args = super::host::encode_args(actor, method, &args)?;
         let bytes = self
             .call_bytes(method, args)?
             .map_err(|f| super::host::call_failure(actor, method, f))?;
-        decode::<R>(&bytes).map_err(|e| Error::Codec {
-            op: "decode",
-            ty: std::any::type_name::<R>().into(),
-            place: format!("the result of {actor}.{method}"),
-            message: format!(
-                "{e}; the worker's method returns another type (a stale worker binary?)"
-            ),
-        })
+        super::host::decode_result(
+            actor,
+            method,
+            &bytes,
+            "the worker's method returns another type (a stale worker binary?)",
+        )
     }
 
     /// A one-off call with encoded arguments: the encoded result, or why the method failed

@@ -293,21 +293,20 @@ impl ClusterDriver {
     fn mark_lost(&self, id: u64, why: String) {
         let mut state = self.state.lock();
         let mut deaths = Vec::new();
-        let mut name = String::new();
+        let mut reason = String::new();
         if let Some(h) = state.hosts.iter_mut().find(|h| h.info.id == id)
             && h.lost.is_none()
         {
             tracing::warn!(host = id, name = %h.info.name, reason = %why, "host lost");
             let _ = h.stream.lock().shutdown(Shutdown::Both);
-            h.lost = Some(why.clone());
             // Waiting requests fail now (their senders drop); actors there are dead.
             h.pending.clear();
             deaths = h.deaths.drain().map(|(_, cb)| cb).collect();
-            name = h.info.name.clone();
+            reason = lost_text(h, &why);
+            h.lost = Some(why);
         }
         drop(state);
         self.changed.notify_all();
-        let reason = format!("its host {name} (id {id}) was lost: {why}");
         for cb in deaths {
             cb(&reason);
         }

@@ -519,6 +519,18 @@ impl<I: Value> GraphShared<I> {
         }
     }
 
+    /// Refs of a graph compiled without `enable_asyncio` are claimed with `get`, not awaited.
+    fn check_awaitable(&self) -> Result<()> {
+        if self.opts.enable_asyncio {
+            return Ok(());
+        }
+        Err(Error::WrongMode {
+            message:
+                "this graph was compiled without enable_asyncio; call get() instead of awaiting"
+                    .into(),
+        })
+    }
+
     fn check_live(&self) -> Result<()> {
         if self.torn.load(Ordering::Acquire) {
             Err(self.closed_error())
@@ -1009,12 +1021,8 @@ impl<I: Value> RefOwner for GraphShared<I> {
     }
 
     fn poll_ready(&self, exec: u64, output: usize, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        if !self.opts.enable_asyncio {
-            return Poll::Ready(Err(Error::WrongMode {
-                message:
-                    "this graph was compiled without enable_asyncio; call get() instead of awaiting"
-                        .into(),
-            }));
+        if let Err(e) = self.check_awaitable() {
+            return Poll::Ready(Err(e));
         }
         let mut r = self.results.lock();
         if r.buffer.get(&exec).is_some_and(|v| v[output].is_some()) {
@@ -1036,12 +1044,8 @@ impl<I: Value> RefOwner for GraphShared<I> {
         output: usize,
         cx: &mut Context<'_>,
     ) -> Poll<Result<Box<dyn Any + Send>>> {
-        if !self.opts.enable_asyncio {
-            return Poll::Ready(Err(Error::WrongMode {
-                message:
-                    "this graph was compiled without enable_asyncio; call get() instead of awaiting"
-                        .into(),
-            }));
+        if let Err(e) = self.check_awaitable() {
+            return Poll::Ready(Err(e));
         }
         let mut r = self.results.lock();
         if let Some(v) = Self::take_from(&mut r, exec, output) {

@@ -95,6 +95,21 @@ pub(crate) struct EdgeRead {
     pub(crate) error: Option<Arc<TaskError>>,
 }
 
+impl EdgeRead {
+    /// `copies` copies of `msg` (cloned for all but the last), with its error if it carries one.
+    fn of<T: Clone + Send + 'static>(msg: Msg<T>, copies: usize) -> Self {
+        let error = match &msg {
+            Msg::Error(e) => Some(e.clone()),
+            Msg::Value(_) => None,
+        };
+        let mut values: Vec<Box<dyn Any + Send>> = (1..copies)
+            .map(|_| Box::new(msg.clone()) as Box<dyn Any + Send>)
+            .collect();
+        values.push(Box::new(msg));
+        EdgeRead { values, error }
+    }
+}
+
 /// Reads one output edge and hands one copy of each value to every output that names it.
 pub(crate) trait OutputReader: Send {
     fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<EdgeRead, ChanError>;
@@ -104,16 +119,7 @@ struct TypedOutput<T>(Reader<T>);
 
 impl<T: Value> OutputReader for TypedOutput<T> {
     fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<EdgeRead, ChanError> {
-        let msg = self.0.read(deadline)?;
-        let error = match &msg {
-            Msg::Error(e) => Some(e.clone()),
-            Msg::Value(_) => None,
-        };
-        let mut values: Vec<Box<dyn Any + Send>> = (1..copies)
-            .map(|_| Box::new(msg.clone()) as Box<dyn Any + Send>)
-            .collect();
-        values.push(Box::new(msg));
-        Ok(EdgeRead { values, error })
+        Ok(EdgeRead::of(self.0.read(deadline)?, copies))
     }
 }
 
@@ -122,16 +128,7 @@ struct ErasedOutput(Box<dyn ErasedReader>);
 
 impl OutputReader for ErasedOutput {
     fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<EdgeRead, ChanError> {
-        let msg = self.0.read(deadline)?;
-        let error = match &msg {
-            Msg::Error(e) => Some(e.clone()),
-            Msg::Value(_) => None,
-        };
-        let mut values: Vec<Box<dyn Any + Send>> = (1..copies)
-            .map(|_| Box::new(msg.clone()) as Box<dyn Any + Send>)
-            .collect();
-        values.push(Box::new(msg));
-        Ok(EdgeRead { values, error })
+        Ok(EdgeRead::of(self.0.read(deadline)?, copies))
     }
 }
 
