@@ -401,17 +401,20 @@ impl ProcessLink {
                     )
                 })?;
         }
-        let (ids, fds) = chans.handed_to(&plan, Loc::Actor(actor))?;
+        let handed = chans.handed_to(&plan, Loc::Actor(actor))?;
         {
             let mut g = self.shared.graph.lock();
             g.installed = Some(installed);
             g.done = Some(done);
         }
+        let fds: Vec<BorrowedFd<'_>> = handed.fds.iter().map(|f| f.as_fd()).collect();
         self.shared
             .send(
                 &ToWorker::Install {
                     plan: (*plan).clone(),
-                    chans: ids.clone(),
+                    chans: handed.shm.clone(),
+                    net: handed.net.clone(),
+                    max_message_bytes: chans.max_message_bytes() as u64,
                     timeline,
                 },
                 &fds,
@@ -691,11 +694,20 @@ fn worker_main(sock: OwnedFd) -> i32 {
             ToWorker::Install {
                 plan,
                 chans,
+                net,
+                max_message_bytes,
                 timeline,
             } => {
                 let comms = std::mem::replace(&mut comms, Ok(HashMap::new()));
                 let opened = comms.and_then(|comms| {
-                    GraphChannels::open(&chans, fds, DEFAULT_SPIN).map(|chans| (comms, chans))
+                    GraphChannels::open(
+                        &chans,
+                        &net,
+                        fds,
+                        DEFAULT_SPIN,
+                        max_message_bytes as usize,
+                    )
+                    .map(|chans| (comms, chans))
                 });
                 let (comms, graph_chans) = match opened {
                     Ok(opened) => opened,

@@ -4,6 +4,7 @@
 use super::wire::{
     self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
 };
+use super::data::DataPlane;
 use super::{ClusterOptions, HostInfo};
 use crate::error::{Error, Result};
 use crossbeam_channel::Sender;
@@ -20,6 +21,8 @@ pub(crate) type DeathCallback = Box<dyn Fn(&str) + Send + Sync>;
 
 struct Host {
     info: HostInfo,
+    /// Where its data port is reached.
+    data: SocketAddr,
     /// The writing side of the connection (heartbeats, requests, shutdown); one writer at a
     /// time, so that frames never interleave.
     stream: Arc<Mutex<TcpStream>>,
@@ -37,6 +40,8 @@ struct State {
 
 pub(crate) struct ClusterDriver {
     addr: SocketAddr,
+    /// The driver's host's data port (network channels that end here).
+    data: Arc<DataPlane>,
     opts: ClusterOptions,
     state: Mutex<State>,
     /// Signalled when a host joins or is lost.
@@ -63,8 +68,12 @@ impl ClusterDriver {
         listener
             .set_nonblocking(true)
             .map_err(|e| Error::io("setting up the listener", e))?;
+        let data_bind = SocketAddr::new(addr.ip(), 0);
+        let data = DataPlane::start(data_bind, opts.token.as_bytes())
+            .map_err(|e| Error::io(format!("listening for data connections on {data_bind}"), e))?;
         let driver = Arc::new(ClusterDriver {
             addr,
+            data,
             opts,
             state: Mutex::new(State {
                 hosts: Vec::new(),
@@ -101,6 +110,27 @@ impl ClusterDriver {
     pub(crate) fn addr(&self) -> SocketAddr {
         self.addr
     }
+
+    /// The driver's host's data port.
+    pub(crate) fn data(&self) -> &Arc<DataPlane> {
+        &self.data
+    }
+
+    /// Where each host's data port is reached, by host id (0: the driver's, whose address
+    /// may be unspecified: each host then uses the address it reaches the driver at).
+    pub(crate) fn data_addrs(&self) -> Vec<(u64, SocketAddr)> {
+        let mut all = vec![(0, self.data.addr())];
+        all.extend(
+            self.state
+                .lock()
+                .hosts
+                .iter()
+                .filter(|h| h.lost.is_none())
+                .map(|h| (h.info.id, h.data)),
+        );
+        all
+    }
+
 
     /// The hosts that joined and are not lost, in joining order.
     pub(crate) fn hosts(&self) -> Vec<HostInfo> {
@@ -328,6 +358,11 @@ impl ClusterDriver {
                 cores: hello.cores,
                 pid: hello.pid,
             };
+            let data = if hello.data.ip().is_unspecified() {
+                SocketAddr::new(peer.ip(), hello.data.port())
+            } else {
+                hello.data
+            };
             wire::write_frame(
                 &mut stream,
                 &ToAgent::Welcome {
@@ -341,6 +376,7 @@ impl ClusterDriver {
             tracing::info!(host = id, name = %info.name, %peer, cores = info.cores, "host joined");
             state.hosts.push(Host {
                 info,
+                data,
                 stream: Arc::new(Mutex::new(stream.try_clone()?)),
                 lost: None,
                 pending: HashMap::new(),
@@ -402,6 +438,7 @@ fn lost_text(h: &Host, why: &str) -> String {
 impl Drop for ClusterDriver {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+        self.data.stop();
         let state = self.state.lock();
         for h in state.hosts.iter().filter(|h| h.lost.is_none()) {
             let mut stream = h.stream.lock();

@@ -2,6 +2,7 @@
 //! teardown and the death of an actor.
 use crate::actor::HandleCore;
 use crate::actor::channels::{ChannelSizes, GraphChannels};
+use hosts::RemoteParts;
 use crate::actor::host::{ActorLink, Control, RunRequest};
 use crate::actor::worker::DeathSink;
 use crate::channel::{ChanError, FanOut, Reader};
@@ -21,6 +22,7 @@ use std::time::{Duration, Instant};
 
 mod comms;
 mod gather;
+mod hosts;
 mod input;
 mod output;
 mod pipeline;
@@ -144,6 +146,8 @@ pub(crate) struct GraphShared<I> {
     obs: stats::Observers,
     /// Submitters waiting for room (`execute_wait`, `execute_async_wait`).
     submit_waiters: wait::SubmitWaiters,
+    /// The graph's parts on other hosts, if it has any.
+    remote: Option<RemoteParts>,
 }
 
 /// A compiled graph: execute it many times, then tear it down (also on drop).
@@ -268,11 +272,33 @@ fn start<I: Value>(
         spin: opts.spin,
     };
     let chans =
-        Arc::new(GraphChannels::create(&plan, &sizes).inspect_err(|_| comms.destroy_all())?);
+        Arc::new(GraphChannels::create(&plan, &sizes, 0).inspect_err(|_| comms.destroy_all())?);
     let io = DriverIo {
         chans: chans.clone(),
     };
     let obs = stats::Observers::new(plan.clone(), &actors, opts.timeline);
+    // Other hosts install their parts first (each connects the network channels it writes,
+    // then waits for those it reads), while this host does the same.
+    let remote = RemoteParts::start(&plan, &actors, &sizes, obs.timeline);
+    let fail_early = |e: Error| {
+        comms.destroy_all();
+        chans.close_all();
+        if let Some(r) = &remote {
+            r.close(plan.graph);
+        }
+        e
+    };
+    if let Some(r) = &remote {
+        chans
+            .connect_network(
+                &plan,
+                0,
+                r.cluster.data(),
+                &r.cluster.data_addrs().into_iter().collect(),
+                Instant::now() + crate::actor::remote::INSTALL_TIMEOUT,
+            )
+            .map_err(&fail_early)?;
+    }
     // Actors first: they take their ends of the channels.
     let mut done = Vec::new();
     let mut installing = Vec::new();
@@ -292,14 +318,13 @@ fn start<I: Value>(
                     }))
                     .map_err(|_| Error::compile(actor.name(), "the actor's thread has stopped"))
             }),
-            ActorLink::Remote(link) => Err(Error::compile(
-                actor.name(),
-                format!(
-                    "actor {} runs on host {}, and graphs across hosts are not built yet (docs/multi-host.md); place the graph's actors on this host (Placement::Thread or Placement::Process) and use one-off calls for actors on other hosts",
-                    actor.name(),
-                    link.host()
-                ),
-            )),
+            // Installed by its host's agent (above); told done when its host closed the graph.
+            ActorLink::Remote(link) => {
+                if let Some(r) = &remote {
+                    r.waiting(link.host(), installed, done_tx);
+                }
+                Ok(())
+            }
             ActorLink::Process(link) => comms.tickets(actor).and_then(|tickets| {
                 link.install(
                     actor.id(),
@@ -314,18 +339,12 @@ fn start<I: Value>(
         };
         if let Err(e) = sent {
             // The actors already started wake and stop.
-            comms.destroy_all();
-            chans.close_all();
-            return Err(e);
+            return Err(fail_early(e));
         }
         done.push((actor.name().to_string(), done_rx));
         installing.push((actor.clone(), installed_rx));
     }
-    let fail = |e: Error| {
-        comms.destroy_all();
-        chans.close_all();
-        e
-    };
+    let fail = |e: Error| fail_early(e);
     let install_deadline = Instant::now() + Duration::from_secs(30);
     for (actor, rx) in &installing {
         let name = actor.name();
@@ -342,7 +361,8 @@ fn start<I: Value>(
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
                 let died = match &actor.0.link {
                     ActorLink::Process(link) => link.death_within(Duration::from_millis(500)),
-                    ActorLink::Thread(_) | ActorLink::Remote(_) => None,
+                    ActorLink::Remote(link) => link.died(),
+                    ActorLink::Thread(_) => None,
                 };
                 return Err(fail(died.unwrap_or_else(|| {
                     Error::compile(name, "the actor stopped before it installed its schedule")
@@ -429,6 +449,7 @@ fn start<I: Value>(
         comms,
         obs,
         submit_waiters: wait::SubmitWaiters::new(),
+        remote,
     });
     if shared.opts.enable_asyncio {
         pump::start(&shared).inspect_err(|_| {
@@ -809,6 +830,10 @@ impl<I: Value> GraphShared<I> {
         *self.torn_reason.lock() = reason;
         // Closing first wakes any get blocked on a channel, so the locks below come free.
         self.chans.close_all();
+        // Other hosts close their parts (their actors there are told done when they did).
+        if let Some(r) = &self.remote {
+            r.close(self.id);
+        }
         // Destroying the communicator groups wakes every actor blocked in one.
         self.comms.destroy_all();
         {
