@@ -87,3 +87,176 @@ fn a_chain_over_three_hosts() {
         .unwrap();
     assert_eq!(g.execute(5).unwrap().get_timeout(GET).unwrap(), 106);
 }
+
+/// One node read on three hosts: by one actor on one, by two actors on another (one copy
+/// over the network, shared there through a relayed ring), and by the driver and a process
+/// and a thread actor on the driver's host.
+#[test]
+fn readers_of_one_node_on_three_hosts() {
+    let (rt, _hosts, h) = cluster(3);
+    let src = on(&rt, &h[0], 1);
+    let one = on(&rt, &h[1], 10);
+    let two_a = on(&rt, &h[2], 100);
+    let two_b = on(&rt, &h[2], 1000);
+    let local_proc = rt.spawn::<Stage>(Placement::Process, 10_000).unwrap();
+    let local_thread = rt.spawn::<Stage>(Placement::Thread, 100_000).unwrap();
+    let dag = Dag::<u64>::new();
+    let x = src.step(dag.input());
+    let outs = (
+        x.clone(),
+        one.step(x.clone()),
+        two_a.step(x.clone()),
+        two_b.step(x.clone()),
+        local_proc.step(x.clone()),
+        local_thread.sum(x.clone(), x),
+    );
+    let g = dag
+        .compile(outs, CompileOptions::default().max_inflight_executions(4))
+        .unwrap();
+    let dot = g.visualize();
+    assert!(dot.contains("network"), "{dot}");
+    for i in 0..40u64 {
+        let (x, a, b, c, d, e) = g.execute(i).unwrap();
+        let v = i + 1;
+        assert_eq!(x.get_timeout(GET).unwrap(), v);
+        assert_eq!(a.get_timeout(GET).unwrap(), v + 10);
+        assert_eq!(b.get_timeout(GET).unwrap(), v + 100);
+        assert_eq!(c.get_timeout(GET).unwrap(), v + 1000);
+        assert_eq!(d.get_timeout(GET).unwrap(), v + 10_000);
+        assert_eq!(e.get_timeout(GET).unwrap(), 2 * v + 100_000);
+    }
+}
+
+/// Two pipeline stages of two actors each, on two hosts (the pipeline-parallel shape).
+#[test]
+fn two_stages_of_two_actors_on_two_hosts() {
+    let (rt, _hosts, h) = cluster(2);
+    let s1 = [on(&rt, &h[0], 1), on(&rt, &h[0], 2)];
+    let s2 = [on(&rt, &h[1], 10), on(&rt, &h[1], 20)];
+    let dag = Dag::<u64>::new();
+    let a = s1[0].step(dag.input());
+    let b = s1[1].step(dag.input());
+    let outs = (s2[0].sum(a.clone(), b.clone()), s2[1].sum(b, a));
+    let g = dag
+        .compile(outs, CompileOptions::default().max_inflight_executions(8))
+        .unwrap();
+    for batch in 0..8u64 {
+        let refs: Vec<_> = (0..8u64).map(|i| g.execute(batch * 8 + i).unwrap()).collect();
+        for (i, (p, q)) in refs.into_iter().enumerate() {
+            let i = batch * 8 + i as u64;
+            assert_eq!(p.get_timeout(GET).unwrap(), (i + 1) + (i + 2) + 10);
+            assert_eq!(q.get_timeout(GET).unwrap(), (i + 2) + (i + 1) + 20);
+        }
+    }
+}
+
+/// Payloads from empty to 100 MiB across hosts: larger than the initial buffer and than
+/// anything one read returns, each byte checked.
+#[test]
+fn payloads_from_bytes_to_100_mib_cross_hosts() {
+    let (rt, _hosts, h) = cluster(2);
+    let a = on(&rt, &h[0], 0);
+    let b = on(&rt, &h[1], 0);
+    let dag = Dag::<Buffer>::new();
+    let out = b.echo(a.echo(dag.input()));
+    let g = dag
+        .compile(
+            out,
+            CompileOptions::default()
+                .buffer_size_bytes(4096)
+                .max_message_bytes(256 << 20),
+        )
+        .unwrap();
+    for (k, n) in [0usize, 1, 100, 5000, 70_000, 1 << 20, 7_777_777, 100 << 20]
+        .into_iter()
+        .enumerate()
+    {
+        let data: Vec<u8> = (0..n).map(|i| (i * 31 + k) as u8).collect();
+        let got = g.execute(Buffer::from(data)).unwrap().get_timeout(GET).unwrap();
+        assert_eq!(got.len(), n);
+        assert!(
+            got.iter().enumerate().all(|(i, b)| *b == (i * 31 + k) as u8),
+            "payload of {n} bytes corrupted"
+        );
+    }
+}
+
+/// A get that times out leaves the graph consistent: the late value is not taken for the
+/// next execution's, and later executions return their own values.
+#[test]
+fn a_get_that_times_out_leaves_the_graph_consistent() {
+    let (rt, _hosts, h) = cluster(2);
+    let a = on(&rt, &h[0], 0);
+    let b = on(&rt, &h[1], 5);
+    let dag = Dag::<u64>::new();
+    let g = dag
+        .compile(b.nap(a.step(dag.input())), CompileOptions::default())
+        .unwrap();
+    let slow = g.execute(1).unwrap();
+    assert!(matches!(
+        slow.get_timeout(Duration::from_millis(100)),
+        Err(adag::Error::Timeout { .. })
+    ));
+    for i in 2..20u64 {
+        assert_eq!(g.execute(i).unwrap().get_timeout(GET).unwrap(), i + 5);
+    }
+}
+
+/// A remote worker killed during a graph: gets fail with `ActorDied` naming it; the runtime
+/// and the other hosts stay usable.
+#[test]
+fn a_remote_worker_killed_fails_the_graph_with_actor_died() {
+    let (rt, _hosts, h) = cluster(2);
+    let a = on(&rt, &h[0], 1);
+    let b = on(&rt, &h[1], 2);
+    let dag = Dag::<u64>::new();
+    let g = dag
+        .compile(b.step(a.step(dag.input())), CompileOptions::default())
+        .unwrap();
+    assert_eq!(g.execute(1).unwrap().get_timeout(GET).unwrap(), 4);
+    b.kill().unwrap();
+    let err = g
+        .execute(2)
+        .and_then(|r| r.get_timeout(GET))
+        .unwrap_err();
+    assert!(
+        matches!(&err, adag::Error::ActorDied { actor, .. } if actor == b.name()),
+        "{err}"
+    );
+    // The host of the dead worker is fine: a new actor there runs a new graph with `a`.
+    let c = on(&rt, &h[1], 3);
+    let dag = Dag::<u64>::new();
+    let g = dag
+        .compile(c.step(a.step(dag.input())), CompileOptions::default())
+        .unwrap();
+    assert_eq!(g.execute(1).unwrap().get_timeout(GET).unwrap(), 5);
+}
+
+/// A whole host killed (agent and workers): pending and later gets fail naming the host and
+/// its actor; the other hosts serve a new graph.
+#[test]
+fn a_lost_host_fails_the_graph_naming_it() {
+    let (rt, mut hosts, h) = cluster(2);
+    let a = on(&rt, &h[0], 1);
+    let b = on(&rt, &h[1], 2);
+    let dag = Dag::<u64>::new();
+    let g = dag
+        .compile(b.step(a.step(dag.input())), CompileOptions::default())
+        .unwrap();
+    assert_eq!(g.execute(1).unwrap().get_timeout(GET).unwrap(), 4);
+    hosts.kill(1).unwrap();
+    let err = g
+        .execute(2)
+        .and_then(|r| r.get_timeout(GET))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&h[1].name) || err.contains(b.name()), "{err}");
+    let later = g.execute(3).and_then(|r| r.get_timeout(GET));
+    assert!(later.is_err());
+    let c = on(&rt, &h[0], 7);
+    let dag = Dag::<u64>::new();
+    let g = dag
+        .compile(c.step(a.step(dag.input())), CompileOptions::default())
+        .unwrap();
+    assert_eq!(g.execute(1).unwrap().get_timeout(GET).unwrap(), 9);
+}

@@ -339,6 +339,8 @@ fn packet() -> impl Strategy<Value = Vec<u8>> {
                     1 => ToWorker::Install {
                         plan: plan(),
                         chans: vec![3],
+                        net: vec![1 << 48],
+                        max_message_bytes: 1 << 20,
                         timeline: false,
                     },
                     2 => ToWorker::Spawn {

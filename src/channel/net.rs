@@ -21,6 +21,7 @@
 //!   decode, is a typed error: nothing is allocated past the ceiling and nothing panics.
 use super::shm::ShmWriter;
 use super::shm::{TAG_ERROR, TAG_VALUE};
+use super::wait::SpinPolicy;
 use super::{ChanError, ChannelReader, ChannelWriter, EndCounters, Msg, bump};
 use crate::error::TaskError;
 use crate::value::frame;
@@ -199,21 +200,22 @@ impl<T: Serialize> ChannelWriter<T> for NetTx<T> {
     }
 }
 
-/// A message being received: its header, then its frame.
-#[derive(Default)]
-struct Partial {
-    header: [u8; HEADER],
-    have: usize,
-    /// The frame, sized from the header, and how much of it arrived.
-    frame: Option<(Vec<u8>, usize)>,
-}
+/// Bytes a reader asks the kernel for at once: small frames that arrived together (a
+/// pipeline) come out of one receive.
+const READ_AHEAD: usize = 64 << 10;
 
 /// Receives frames from a stream, resuming where a timed-out read stopped.
 pub(crate) struct FrameReader {
     stream: TcpStream,
     limit: usize,
-    spin: Duration,
-    partial: Partial,
+    /// How a wait spins and yields before it sleeps in `poll`.
+    policy: SpinPolicy,
+    /// Bytes received and not yet consumed (`ahead[..filled]` from `at`).
+    ahead: Vec<u8>,
+    at: usize,
+    /// A frame larger than what was buffered, being received straight into its own memory:
+    /// its tag and its bytes so far (its capacity is its length).
+    large: Option<(u8, Vec<u8>)>,
     /// A protocol error ended the stream: every later read says so.
     broken: Option<String>,
 }
@@ -223,29 +225,36 @@ impl FrameReader {
         FrameReader {
             stream,
             limit,
-            spin,
-            partial: Partial::default(),
+            policy: SpinPolicy::new(spin),
+            ahead: Vec::with_capacity(READ_AHEAD),
+            at: 0,
+            large: None,
             broken: None,
         }
     }
 
-    /// One non-blocking receive into `buf`: `Ok(Some(n))`, `Ok(None)` when nothing is there.
-    fn receive(stream: &mut TcpStream, buf: &mut [u8]) -> Result<Option<usize>, ChanError> {
+    /// One non-blocking receive appended to `buf` (within its capacity): `Ok(true)` when
+    /// bytes came, `Ok(false)` when none were there.
+    fn receive(stream: &TcpStream, buf: &mut Vec<u8>) -> Result<bool, ChanError> {
         loop {
-            return match stream.read(buf) {
+            return match rustix::io::read(stream, rustix::buffer::spare_capacity(buf)) {
                 Ok(0) => Err(ChanError::Closed),
-                Ok(n) => Ok(Some(n)),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => Err(io_error(e)),
+                Ok(_) => Ok(true),
+                Err(rustix::io::Errno::AGAIN) => Ok(false),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => Err(io_error(e.into())),
             };
         }
     }
 
-    /// Checks a complete header; the frame's buffer, sized from it.
-    fn start_frame(&mut self) -> Result<(), ChanError> {
-        let len = u64::from_le_bytes(self.partial.header[..8].try_into().expect("8 bytes"));
-        let tag = self.partial.header[8];
+    /// A frame whole in the buffer, or the start of a large one moved to its own memory.
+    fn parse(&mut self) -> Result<Option<(u8, Vec<u8>)>, ChanError> {
+        let buffered = &self.ahead[self.at..];
+        if buffered.len() < HEADER {
+            return Ok(None);
+        }
+        let len = u64::from_le_bytes(buffered[..8].try_into().expect("8 bytes"));
+        let tag = buffered[8];
         if len > self.limit as u64 || (tag != TAG_VALUE && tag != TAG_ERROR) {
             let why = format!(
                 "the peer sent a frame header of {len} bytes with tag {tag} (the ceiling is {} bytes): not an adag channel, or a corrupt stream",
@@ -255,59 +264,92 @@ impl FrameReader {
             shut(&self.stream);
             return Err(ChanError::Codec(why));
         }
-        self.partial.frame = Some((vec![0u8; len as usize], 0));
-        Ok(())
+        let len = len as usize;
+        let body = &buffered[HEADER..];
+        if body.len() >= len {
+            let frame = body[..len].to_vec();
+            self.at += HEADER + len;
+            return Ok(Some((tag, frame)));
+        }
+        if HEADER + len > READ_AHEAD {
+            let mut frame = Vec::with_capacity(len);
+            frame.extend_from_slice(body);
+            self.at = 0;
+            self.ahead.clear();
+            self.large = Some((tag, frame));
+        }
+        Ok(None)
     }
 
-    /// The next whole frame and its tag, waiting until `deadline`.
+    /// One step towards the next frame: parse what is buffered, else receive once.
+    fn advance(&mut self) -> Result<Progress, ChanError> {
+        if let Some((_, frame)) = &mut self.large {
+            let got = Self::receive(&self.stream, frame)?;
+            if frame.len() == frame.capacity() {
+                let (tag, frame) = self.large.take().expect("a large frame");
+                return Ok(Progress::Frame(tag, frame));
+            }
+            return Ok(if got { Progress::Some } else { Progress::None });
+        }
+        if let Some((tag, frame)) = self.parse()? {
+            return Ok(Progress::Frame(tag, frame));
+        }
+        if self.large.is_some() {
+            return Ok(Progress::Some);
+        }
+        // Keep the unconsumed bytes at the front, then receive after them.
+        if self.at > 0 {
+            self.ahead.drain(..self.at);
+            self.at = 0;
+        }
+        Ok(if Self::receive(&self.stream, &mut self.ahead)? {
+            Progress::Some
+        } else {
+            Progress::None
+        })
+    }
+
+    /// The next whole frame and its tag, waiting until `deadline`: receives while bytes
+    /// come, then spins and yields (the channels' wait strategy), then sleeps in `poll`.
     pub(crate) fn next(&mut self, deadline: Option<Instant>) -> Result<(u8, Vec<u8>), ChanError> {
         if let Some(why) = &self.broken {
             return Err(ChanError::Codec(why.clone()));
         }
-        let spin_until = Instant::now() + self.spin;
         loop {
-            let got = match &mut self.partial.frame {
-                None => {
-                    let have = self.partial.have;
-                    let got =
-                        Self::receive(&mut self.stream, &mut self.partial.header[have..])?;
-                    if let Some(n) = got {
-                        self.partial.have += n;
-                        if self.partial.have == HEADER {
-                            self.start_frame()?;
-                        }
-                    }
-                    got
-                }
-                Some((frame, filled)) => {
-                    let got = if *filled < frame.len() {
-                        Self::receive(&mut self.stream, &mut frame[*filled..])?
-                    } else {
-                        Some(0)
-                    };
-                    if let Some(n) = got {
-                        *filled += n;
-                    }
-                    got
-                }
-            };
-            if let Some((frame, filled)) = &self.partial.frame
-                && *filled == frame.len()
-            {
-                let tag = self.partial.header[8];
-                let (frame, _) = self.partial.frame.take().expect("a whole frame");
-                self.partial = Partial::default();
-                return Ok((tag, frame));
+            match self.advance()? {
+                Progress::Frame(tag, frame) => return Ok((tag, frame)),
+                Progress::Some => continue,
+                Progress::None => {}
             }
-            if got.is_none() {
-                if Instant::now() < spin_until {
-                    std::hint::spin_loop();
-                    continue;
-                }
+            let mut policy = self.policy.clone();
+            let mut done = None;
+            let ready = policy.idle(|| {
+                Ok::<_, ChanError>(match self.advance()? {
+                    Progress::Frame(tag, frame) => {
+                        done = Some((tag, frame));
+                        true
+                    }
+                    Progress::Some => true,
+                    Progress::None => false,
+                })
+            })?;
+            self.policy = policy;
+            if let Some(frame) = done {
+                return Ok(frame);
+            }
+            if !ready {
                 wait_ready(&self.stream, PollFlags::IN, deadline)?;
             }
         }
     }
+}
+
+/// What one step of a [`FrameReader`] achieved.
+enum Progress {
+    Frame(u8, Vec<u8>),
+    /// Bytes came (or were parsed), but no whole frame yet.
+    Some,
+    None,
 }
 
 /// One reader's end of a network channel (the only reader on its host), for values of `T`.
@@ -433,11 +475,11 @@ mod tests {
                     assert_eq!(buf.len(), *n);
                     assert!(buf.iter().enumerate().all(|(j, b)| *b == (j * 7 + i) as u8));
                 }
-                Msg::Error(e) => panic!("{e}"),
+                Msg::Error(e) => panic!("{e:?}"),
             }
         }
         match rx.read(soon()).unwrap() {
-            Msg::Error(e) => assert!(e.to_string().contains("boom"), "{e}"),
+            Msg::Error(e) => assert_eq!(e.message, "boom"),
             Msg::Value(_) => panic!("expected the error frame"),
         }
         let tx = writer.join().unwrap();
@@ -464,7 +506,7 @@ mod tests {
         a.write_all(&bytes[30..]).unwrap();
         match rx.read(soon()).unwrap() {
             Msg::Value(v) => assert_eq!(v, vec![9u8; 100]),
-            Msg::Error(e) => panic!("{e}"),
+            Msg::Error(e) => panic!("{e:?}"),
         }
     }
 

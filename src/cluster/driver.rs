@@ -296,7 +296,15 @@ impl ClusterDriver {
                 .and_then(|h| h.deaths.remove(&actor))
         };
         if let Some(cb) = callback {
-            cb(reason);
+            // Not on this host's reader thread: what the callback does (tearing a graph down)
+            // sends requests to this host, whose replies that thread must read.
+            let reason = reason.to_string();
+            let spawned = std::thread::Builder::new()
+                .name(format!("adag-death-{actor}"))
+                .spawn(move || cb(&reason));
+            if let Err(e) = spawned {
+                tracing::error!(actor, error = %e, "no thread to report a death");
+            }
         }
     }
 
@@ -337,8 +345,20 @@ impl ClusterDriver {
         }
         drop(state);
         self.changed.notify_all();
-        for cb in deaths {
-            cb(&reason);
+        if deaths.is_empty() {
+            return;
+        }
+        // Off the caller's thread (a host's reader, the heartbeat thread): tearing a graph
+        // down takes time and sends requests to other hosts.
+        let spawned = std::thread::Builder::new()
+            .name(format!("adag-lost-{id}"))
+            .spawn(move || {
+                for cb in deaths {
+                    cb(&reason);
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(host = id, error = %e, "no thread to report a lost host");
         }
     }
 
