@@ -268,13 +268,14 @@ pub(crate) struct AgentWorkers {
     data: Arc<DataPlane>,
     driver_ip: IpAddr,
     /// The graphs installed on this host, by id.
-    graphs: Mutex<HashMap<u64, HostGraph>>,
+    graphs: Arc<Mutex<HashMap<u64, HostGraph>>>,
 }
 
-/// A graph's part on this host: its channels here and how its actors here say they stopped.
+/// A graph's part on this host: its channels here, and a signal (disconnected) once every
+/// actor of it here stopped its schedule.
 struct HostGraph {
     chans: Arc<GraphChannels>,
-    done: Vec<crossbeam_channel::Receiver<String>>,
+    stopped: crossbeam_channel::Receiver<()>,
 }
 
 /// The agent's services (see `cluster::agent`).
@@ -284,7 +285,7 @@ pub(crate) fn agent_services(ctx: AgentContext) -> Box<dyn AgentServices> {
         reporter: ctx.deaths,
         data: ctx.data,
         driver_ip: ctx.driver_ip,
-        graphs: Mutex::new(HashMap::new()),
+        graphs: Arc::new(Mutex::new(HashMap::new())),
     })
 }
 
@@ -421,7 +422,7 @@ impl AgentServices for AgentWorkers {
             )
             .map_err(|e| fail(e.to_string()))?;
             installing.push((a.name.clone(), installed_rx));
-            done.push(done_rx);
+            done.push((a.name.clone(), done_rx));
         }
         for (name, rx) in installing {
             match rx.recv_deadline(deadline) {
@@ -434,7 +435,43 @@ impl AgentServices for AgentWorkers {
                 }
             }
         }
-        self.graphs.lock().insert(graph, HostGraph { chans, done });
+        let (stopped_tx, stopped) = crossbeam_channel::bounded::<()>(0);
+        self.graphs.lock().insert(
+            graph,
+            HostGraph {
+                chans: chans.clone(),
+                stopped,
+            },
+        );
+        let (graphs, reporter) = (self.graphs.clone(), self.reporter.clone());
+        // Watches the schedules here: one that stops before the driver closed the graph (a
+        // connection broke) ends the graph on this host and is reported to the driver.
+        std::thread::Builder::new()
+            .name(format!("adag-graph-watch-{graph}"))
+            .spawn(move || {
+                let mut select = crossbeam_channel::Select::new();
+                for (_, rx) in &done {
+                    select.recv(rx);
+                }
+                let mut reported = false;
+                for _ in 0..done.len() {
+                    let op = select.select();
+                    let at = op.index();
+                    let (name, rx) = &done[at];
+                    let why = op.recv(rx);
+                    select.remove(at);
+                    if let Ok(why) = why
+                        && !reported
+                        && graphs.lock().contains_key(&graph)
+                    {
+                        reported = true;
+                        chans.close_all();
+                        reporter.graph_fault(graph, name, &why);
+                    }
+                }
+                drop(stopped_tx);
+            })
+            .map_err(|e| format!("cannot start a watcher thread: {e}"))?;
         Ok(())
     }
 
@@ -444,10 +481,7 @@ impl AgentServices for AgentWorkers {
             return;
         };
         g.chans.close_all();
-        let deadline = Instant::now() + CLOSE_TIMEOUT;
-        for rx in g.done {
-            let _ = rx.recv_deadline(deadline);
-        }
+        let _ = g.stopped.recv_timeout(CLOSE_TIMEOUT);
     }
 
     fn shutdown(&self) {

@@ -29,7 +29,7 @@ use bytes::Bytes;
 use rustix::event::{PollFd, PollFlags, Timespec};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, Read};
 use std::marker::PhantomData;
 use std::net::{Shutdown, TcpStream};
 use std::sync::Arc;
@@ -89,17 +89,25 @@ fn write_all(
 ) -> Result<(), ChanError> {
     let mut begun = false;
     while !slices.is_empty() {
-        match stream.write_vectored(slices) {
+        // `MSG_NOSIGNAL`: a connection the peer reset is an error here, never a SIGPIPE that
+        // kills the process (a worker starts before Rust's runtime would ignore it).
+        let sent = rustix::net::sendmsg(
+            &*stream,
+            slices,
+            &mut rustix::net::SendAncillaryBuffer::default(),
+            rustix::net::SendFlags::NOSIGNAL,
+        );
+        match sent {
             Ok(0) => return Err(ChanError::Closed),
             Ok(n) => {
                 begun = true;
                 IoSlice::advance_slices(&mut slices, n);
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            Err(rustix::io::Errno::AGAIN) => {
                 wait_ready(stream, PollFlags::OUT, if begun { None } else { deadline })?;
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io_error(e)),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(io_error(e.into())),
         }
     }
     Ok(())

@@ -48,6 +48,20 @@ pub(crate) struct AgentContext {
 pub(crate) struct DeathReporter(Arc<Mutex<Option<TcpStream>>>);
 
 impl DeathReporter {
+    /// Tells the driver that `actor`'s schedule of `graph` stopped on its own.
+    pub(crate) fn graph_fault(&self, graph: u64, actor: &str, reason: &str) {
+        if let Some(stream) = self.0.lock().as_mut() {
+            let _ = wire::write_frame(
+                stream,
+                &ToDriver::GraphFault {
+                    graph,
+                    actor: actor.to_string(),
+                    reason: reason.to_string(),
+                },
+            );
+        }
+    }
+
     pub(crate) fn died(&self, actor: u64, reason: &str) {
         if let Some(stream) = self.0.lock().as_mut() {
             let _ = wire::write_frame(
@@ -94,6 +108,11 @@ pub(crate) fn maybe_run_agent(make: MakeServices) {
     let Ok(join) = std::env::var(ENV_JOIN) else {
         return;
     };
+    // Before `main` would: a write to a vanished driver is an error, not a SIGPIPE.
+    // SAFETY: SIG_IGN installs no handler code; the Rust runtime does the same before `main`.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
     let code = match run(&join, make) {
         Ok(()) => 0,
         Err(e) => {

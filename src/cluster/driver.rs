@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 type Reply = Result<AgentReply, RemoteFailure>;
 /// Told why an actor's worker died (or its host was lost).
 pub(crate) type DeathCallback = Box<dyn Fn(&str) + Send + Sync>;
+/// Told that a graph's schedule stopped on a host: (actor, why).
+pub(crate) type FaultCallback = Arc<dyn Fn(&str, &str) + Send + Sync>;
 
 struct Host {
     info: HostInfo,
@@ -36,6 +38,8 @@ struct Host {
 struct State {
     hosts: Vec<Host>,
     next_id: u64,
+    /// Live graphs across hosts, told when one of their schedules stops on its own.
+    faults: HashMap<u64, FaultCallback>,
 }
 
 pub(crate) struct ClusterDriver {
@@ -78,6 +82,7 @@ impl ClusterDriver {
             state: Mutex::new(State {
                 hosts: Vec::new(),
                 next_id: 1,
+                faults: HashMap::new(),
             }),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -109,6 +114,27 @@ impl ClusterDriver {
 
     pub(crate) fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// `on_fault` hears of graph `graph`'s schedules that stop on their own on other hosts,
+    /// until [`forget_graph`](Self::forget_graph).
+    pub(crate) fn on_fault(&self, graph: u64, on_fault: FaultCallback) {
+        self.state.lock().faults.insert(graph, on_fault);
+    }
+
+    pub(crate) fn forget_graph(&self, graph: u64) {
+        self.state.lock().faults.remove(&graph);
+    }
+
+    fn fault(&self, host: u64, graph: u64, actor: String, reason: String) {
+        let Some(cb) = self.state.lock().faults.get(&graph).cloned() else {
+            return;
+        };
+        let why = format!("on {}: {reason}", self.describe_host(host));
+        // Off the host's reader thread, as deaths are.
+        let _ = std::thread::Builder::new()
+            .name(format!("adag-fault-{graph}"))
+            .spawn(move || cb(&actor, &why));
     }
 
     /// The driver's host's data port.
@@ -422,6 +448,15 @@ impl ClusterDriver {
                         Ok(ToDriver::Died { actor, reason }) => {
                             if let Some(d) = weak.upgrade() {
                                 d.died(id, actor, &reason);
+                            }
+                        }
+                        Ok(ToDriver::GraphFault {
+                            graph,
+                            actor,
+                            reason,
+                        }) => {
+                            if let Some(d) = weak.upgrade() {
+                                d.fault(id, graph, actor, reason);
                             }
                         }
                         Err(WireError::Io(e))

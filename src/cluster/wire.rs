@@ -135,6 +135,13 @@ pub(crate) enum ToDriver {
         actor: u64,
         reason: String,
     },
+    /// Actor `actor`'s schedule of graph `graph` stopped before the driver closed the graph
+    /// (a connection of the graph broke): the graph is over.
+    GraphFault {
+        graph: u64,
+        actor: String,
+        reason: String,
+    },
 }
 
 /// Why a handshake or a frame failed.

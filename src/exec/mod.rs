@@ -254,6 +254,11 @@ pub(crate) fn release_actors(actors: &[HandleCore], graph: u64) {
     }
 }
 
+/// How long a get that found a channel from another host closed waits for the report of
+/// why (a lost host: up to the heartbeat timeout after the connection broke is not waited
+/// for; a closed connection is reported at once).
+const REPORT_GRACE: Duration = Duration::from_secs(2);
+
 fn start<I: Value>(
     planned: Planned,
     actors: Vec<HandleCore>,
@@ -456,6 +461,17 @@ fn start<I: Value>(
             let _ = shared.teardown_with(Some("the async result pump could not start".into()));
         })?;
     }
+    if let Some(r) = &shared.remote {
+        let weak = Arc::downgrade(&shared);
+        r.cluster.on_fault(
+            shared.id,
+            Arc::new(move |actor: &str, why: &str| {
+                if let Some(g) = weak.upgrade() {
+                    g.schedule_stopped(actor, why);
+                }
+            }),
+        );
+    }
     let sink: Arc<dyn DeathSink> = shared.clone();
     crate::actor::worker::graphs()
         .lock()
@@ -487,6 +503,20 @@ impl<I: Value> DeathSink for GraphShared<I> {
     }
 }
 
+impl<I: Value> GraphShared<I> {
+    /// An actor's schedule stopped on another host before the graph was closed (one of its
+    /// connections broke): the graph is over.
+    fn schedule_stopped(&self, actor: &str, why: &str) {
+        tracing::warn!(graph = self.id, actor, why, "a schedule stopped: tearing the graph down");
+        let fault = Error::TornDown {
+            reason: Some(format!(
+                "the schedule of actor {actor} stopped {why}; a connection between hosts broke or a host stalled; compile the graph again"
+            )),
+        };
+        let _ = self.teardown_inner(Some(format!("actor {actor}'s schedule stopped")), Some(fault));
+    }
+}
+
 impl<I: Value> crate::dag::Liveness for GraphShared<I> {
     fn is_live(&self) -> bool {
         !self.torn.load(Ordering::Acquire)
@@ -497,13 +527,22 @@ impl<I: Value> GraphShared<I> {
     /// `e`, once the teardown a death started has released the actors (an explicit teardown
     /// releases them before `teardown()` returns; a get it wakes does not wait for it).
     fn settled(&self, e: Error) -> Error {
-        if matches!(e, Error::ActorDied { .. }) {
+        if matches!(e, Error::ActorDied { .. } | Error::TornDown { .. }) {
             self.settle();
         }
         e
     }
 
     fn closed_error(&self) -> Error {
+        if self.remote.is_some() && !self.torn.load(Ordering::Acquire) {
+            // A channel from another host closed before this graph was torn down: that host
+            // was lost or a schedule there stopped, and the report of it (which tears the
+            // graph down, naming the cause) is on its way. Wait for it, bounded.
+            let until = Instant::now() + REPORT_GRACE;
+            while !self.torn.load(Ordering::Acquire) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
         if let Some(d) = self.death.lock().clone() {
             return d;
         }
@@ -832,6 +871,7 @@ impl<I: Value> GraphShared<I> {
         self.chans.close_all();
         // Other hosts close their parts (their actors there are told done when they did).
         if let Some(r) = &self.remote {
+            r.cluster.forget_graph(self.id);
             r.close(self.id);
         }
         // Destroying the communicator groups wakes every actor blocked in one.
