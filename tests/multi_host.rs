@@ -141,7 +141,9 @@ fn two_stages_of_two_actors_on_two_hosts() {
         .compile(outs, CompileOptions::default().max_inflight_executions(8))
         .unwrap();
     for batch in 0..8u64 {
-        let refs: Vec<_> = (0..8u64).map(|i| g.execute(batch * 8 + i).unwrap()).collect();
+        let refs: Vec<_> = (0..8u64)
+            .map(|i| g.execute(batch * 8 + i).unwrap())
+            .collect();
         for (i, (p, q)) in refs.into_iter().enumerate() {
             let i = batch * 8 + i as u64;
             assert_eq!(p.get_timeout(GET).unwrap(), (i + 1) + (i + 2) + 10);
@@ -172,10 +174,16 @@ fn payloads_from_bytes_to_100_mib_cross_hosts() {
         .enumerate()
     {
         let data: Vec<u8> = (0..n).map(|i| (i * 31 + k) as u8).collect();
-        let got = g.execute(Buffer::from(data)).unwrap().get_timeout(GET).unwrap();
+        let got = g
+            .execute(Buffer::from(data))
+            .unwrap()
+            .get_timeout(GET)
+            .unwrap();
         assert_eq!(got.len(), n);
         assert!(
-            got.iter().enumerate().all(|(i, b)| *b == (i * 31 + k) as u8),
+            got.iter()
+                .enumerate()
+                .all(|(i, b)| *b == (i * 31 + k) as u8),
             "payload of {n} bytes corrupted"
         );
     }
@@ -215,10 +223,7 @@ fn a_remote_worker_killed_fails_the_graph_with_actor_died() {
         .unwrap();
     assert_eq!(g.execute(1).unwrap().get_timeout(GET).unwrap(), 4);
     b.kill().unwrap();
-    let err = g
-        .execute(2)
-        .and_then(|r| r.get_timeout(GET))
-        .unwrap_err();
+    let err = g.execute(2).and_then(|r| r.get_timeout(GET)).unwrap_err();
     assert!(
         matches!(&err, adag::Error::ActorDied { actor, .. } if actor == b.name()),
         "{err}"
@@ -323,7 +328,11 @@ mod proxy {
                             conns.push(inbound.try_clone().unwrap());
                             conns.push(outbound.try_clone().unwrap());
                         }
-                        pump(inbound.try_clone().unwrap(), outbound.try_clone().unwrap(), &c);
+                        pump(
+                            inbound.try_clone().unwrap(),
+                            outbound.try_clone().unwrap(),
+                            &c,
+                        );
                         pump(outbound, inbound, &c);
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
@@ -429,13 +438,17 @@ fn a_slow_stalling_then_broken_network_delays_then_fails_never_hangs() {
         .delay_ms
         .store(20, std::sync::atomic::Ordering::Release);
     check(8, 8);
-    proxy.delay_ms.store(0, std::sync::atomic::Ordering::Release);
+    proxy
+        .delay_ms
+        .store(0, std::sync::atomic::Ordering::Release);
     // A stall of 3 s with executions in flight: results come late, all of them, in order.
-    *proxy.stall_until.lock().unwrap() =
-        Some(std::time::Instant::now() + Duration::from_secs(3));
+    *proxy.stall_until.lock().unwrap() = Some(std::time::Instant::now() + Duration::from_secs(3));
     let started = std::time::Instant::now();
     check(16, 8);
-    assert!(started.elapsed() >= Duration::from_secs(2), "the stall held the results");
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "the stall held the results"
+    );
     *proxy.stall_until.lock().unwrap() = None;
     check(24, 8);
     // A reset: the graph fails (no hang), saying what stopped.
@@ -455,4 +468,116 @@ fn a_slow_stalling_then_broken_network_delays_then_fails_never_hangs() {
         .compile(b.step(a.step(dag.input())), CompileOptions::default())
         .unwrap();
     assert_eq!(g.execute(1).unwrap().get_timeout(GET).unwrap(), 1002);
+}
+
+const DRIVER_ROLE: &str = "ADAG_TEST_KILLED_DRIVER";
+
+/// Not a test by itself: the driver that `a_killed_driver_leaves_nothing_behind` starts and
+/// kills. It runs a graph over two hosts (shared memory and a relay there), prints the pids
+/// of everything it started, then waits to be killed (bounded).
+#[test]
+#[ignore = "run by a_killed_driver_leaves_nothing_behind"]
+fn killed_driver_role() {
+    if std::env::var(DRIVER_ROLE).is_err() {
+        return;
+    }
+    let (rt, hosts, h) = cluster(2);
+    let a = on(&rt, &h[0], 1);
+    let b = on(&rt, &h[1], 10);
+    let c = on(&rt, &h[1], 100);
+    let dag = Dag::<u64>::new();
+    let x = a.step(dag.input());
+    let g = dag
+        .compile(
+            (b.step(x.clone()), c.sum(x, b.step(dag.input()))),
+            CompileOptions::default(),
+        )
+        .unwrap();
+    let (p, q) = g.execute(1).unwrap();
+    assert_eq!(p.get_timeout(GET).unwrap(), 12);
+    assert_eq!(q.get_timeout(GET).unwrap(), 2 + 11 + 100);
+    let mut pids = hosts.pids();
+    pids.extend([a.pid().unwrap(), b.pid().unwrap(), c.pid().unwrap()]);
+    println!(
+        "PIDS {}",
+        pids.iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+fn adag_shm_files() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains("adag"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The driver killed with a graph across hosts running: every agent and worker exits, and
+/// nothing of adag is left in /dev/shm.
+#[test]
+fn a_killed_driver_leaves_nothing_behind() {
+    use std::io::BufRead;
+    let shm_before = adag_shm_files();
+    let mut driver = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["killed_driver_role", "--exact", "--ignored", "--nocapture"])
+        .env(DRIVER_ROLE, "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = driver.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(pids) = line.strip_prefix("PIDS ") {
+                let _ = tx.send(pids.to_string());
+                return;
+            }
+        }
+    });
+    let pids: Vec<u32> = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the driver ran its graph")
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 5, "two agents and three workers: {pids:?}");
+    let alive = |pid: &u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                !s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
+            .unwrap_or(false)
+    };
+    assert!(pids.iter().all(alive));
+    driver.kill().unwrap();
+    driver.wait().unwrap();
+    let start = std::time::Instant::now();
+    while pids.iter().any(alive) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "still alive 30 s after the driver was killed: {:?}",
+            pids.iter().filter(|p| alive(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<String> = adag_shm_files()
+        .into_iter()
+        .filter(|f| !shm_before.contains(f))
+        .collect();
+    assert!(left.is_empty(), "left in /dev/shm: {left:?}");
 }

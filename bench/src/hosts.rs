@@ -68,7 +68,11 @@ impl Bench {
                 Ok(())
             })?;
             g.teardown()?;
-            self.push(m.row("chain3", PLACEMENT, "one actor on each of 3 hosts; 4 TCP hops"));
+            self.push(m.row(
+                "chain3",
+                PLACEMENT,
+                "one actor on each of 3 hosts; 4 TCP hops",
+            ));
         }
         if self.wants("chain3_pipe16/hosts") {
             let g = chain(&stages, self.opts.clone().max_inflight_executions(16))?;
@@ -105,7 +109,11 @@ impl Bench {
             let mut buf = Some(Buffer::from(vec![0xa5; size]));
             let m = timed(self.counts.warmup(n).min(n), n, |_| {
                 let out = g.execute(buf.take().expect("buffer is back"))?.get()?;
-                ensure!(out.len() == size, "echo of {size} bytes returned {}", out.len());
+                ensure!(
+                    out.len() == size,
+                    "echo of {size} bytes returned {}",
+                    out.len()
+                );
                 buf = Some(out);
                 Ok(())
             })?;
@@ -122,7 +130,11 @@ impl Bench {
     /// The floor: a loopback TCP connection to a thread of this process that echoes what it
     /// reads (`TCP_NODELAY`, both ends polling without sleeping, as adag's channels spin).
     fn raw_tcp(&mut self) -> Result<()> {
-        let sizes = [("tcp_pingpong", 8usize), ("tcp_echo_1MiB", 1 << 20), ("tcp_echo_100MiB", 100 << 20)];
+        let sizes = [
+            ("tcp_pingpong", 8usize),
+            ("tcp_echo_1MiB", 1 << 20),
+            ("tcp_echo_100MiB", 100 << 20),
+        ];
         for (name, size) in sizes {
             let key = format!("{name}/raw");
             if !self.wants(&key) {
@@ -135,7 +147,11 @@ impl Bench {
                 s.set_nodelay(true)?;
                 s.set_nonblocking(true)?;
             }
-            let n = if size <= 8 { self.counts.sync } else { self.counts.payload(size) };
+            let n = if size <= 8 {
+                self.counts.sync
+            } else {
+                self.counts.payload(size)
+            };
             let warmup = self.counts.warmup(n).min(n);
             let total = warmup + n;
             let echo = std::thread::spawn(move || -> std::io::Result<()> {
@@ -152,12 +168,16 @@ impl Bench {
                 spin_read(&mut client, &mut buf)?;
                 Ok(())
             })?;
-            echo.join().map_err(|_| anyhow::anyhow!("the echo thread panicked"))??;
+            echo.join()
+                .map_err(|_| anyhow::anyhow!("the echo thread panicked"))??;
             let mut row: super::Row = m.row(name, "raw", String::new());
             if size > 8 {
                 let gbps = size as f64 / (m.p50_us() * 1e-6) / 1e9;
                 row.gb_per_s = Some(gbps);
-                row.note = format!("{gbps:.2} GB/s (size / p50 round trip): the floor of payload_{}", &name[9..]);
+                row.note = format!(
+                    "{gbps:.2} GB/s (size / p50 round trip): the floor of payload_{}",
+                    &name[9..]
+                );
             } else {
                 row.note = "8 bytes there and back: the floor of echo/hosts (2 hops)".into();
             }

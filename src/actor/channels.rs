@@ -7,8 +7,8 @@ use super::observe::EdgeCount;
 use crate::channel::local::LocalHub;
 use crate::channel::net::{self, NetRx, NetTx};
 use crate::channel::shm::{ShmChannel, ShmConfig, ShmRx, ShmTx};
-use crate::cluster::data::DataPlane;
 use crate::channel::{ChanError, EndCounters, FanOut, Msg, Reader, Writer};
+use crate::cluster::data::DataPlane;
 use crate::compile::plan::{ChannelKind, GraphPlan, Loc};
 use crate::error::{Error, Result};
 use crate::value::{AnyValue, Value};
@@ -175,19 +175,19 @@ impl GraphChannels {
             self.keep(chan.id, stream)?;
         }
         for (edge, chan) in network().filter(|(_, c)| c.host == host) {
-            let stream = data
-                .take(plan.graph, chan.id, deadline)
-                .map_err(|why| {
-                    Error::compile(
-                        edge.label.clone(),
-                        format!(
-                            "its network channel from host {} to host {host}: {why}",
-                            plan.host_of(edge.writer)
-                        ),
-                    )
-                })?;
+            let stream = data.take(plan.graph, chan.id, deadline).map_err(|why| {
+                Error::compile(
+                    edge.label.clone(),
+                    format!(
+                        "its network channel from host {} to host {host}: {why}",
+                        plan.host_of(edge.writer)
+                    ),
+                )
+            })?;
             if chan.relayed() {
-                let ring = self.shm(edge.id, chan.id).map_err(|e| Error::compile(edge.label.clone(), e))?;
+                let ring = self
+                    .shm(edge.id, chan.id)
+                    .map_err(|e| Error::compile(edge.label.clone(), e))?;
                 let writer = ring.writer();
                 let closer = stream
                     .try_clone()
@@ -301,7 +301,9 @@ impl GraphChannels {
 
     fn take_net(&self, edge: &str, chan: u64) -> std::result::Result<TcpStream, String> {
         self.net.lock().remove(&chan).ok_or_else(|| {
-            format!("edge {edge}: network channel {chan} is not connected here (or was opened twice)")
+            format!(
+                "edge {edge}: network channel {chan} is not connected here (or was opened twice)"
+            )
         })
     }
 
@@ -343,11 +345,8 @@ impl GraphChannels {
                 }
                 ChannelKind::Network => {
                     ends.push(Box::new(
-                        NetTx::<T>::new(
-                            self.take_net(&e.label, chan.id)?,
-                            self.max_message_bytes,
-                        )
-                        .counted(counters.clone()),
+                        NetTx::<T>::new(self.take_net(&e.label, chan.id)?, self.max_message_bytes)
+                            .counted(counters.clone()),
                     ));
                 }
             }

@@ -6,9 +6,9 @@ use super::method::CallFailure;
 use super::worker::{ProcessLink, graphs};
 use crate::cluster::agent::{AgentContext, AgentServices};
 use crate::cluster::data::DataPlane;
-use crate::compile::plan::{GraphPlan, Loc};
 use crate::cluster::driver::ClusterDriver;
 use crate::cluster::wire::{AgentReply, AgentRequest, RemoteFailure};
+use crate::compile::plan::{GraphPlan, Loc};
 use crate::error::{Error, Result};
 use crate::value::Value;
 use parking_lot::Mutex;
@@ -390,7 +390,8 @@ impl AgentServices for AgentWorkers {
             })
             .collect();
         let deadline = Instant::now() + INSTALL_TIMEOUT;
-        let chans = Arc::new(GraphChannels::create(&plan, &sizes, host).map_err(|e| e.to_string())?);
+        let chans =
+            Arc::new(GraphChannels::create(&plan, &sizes, host).map_err(|e| e.to_string())?);
         let fail = |e: String| {
             chans.close_all();
             self.data.forget_graph(graph);

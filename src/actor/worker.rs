@@ -701,14 +701,8 @@ fn worker_main(sock: OwnedFd) -> i32 {
             } => {
                 let comms = std::mem::replace(&mut comms, Ok(HashMap::new()));
                 let opened = comms.and_then(|comms| {
-                    GraphChannels::open(
-                        &chans,
-                        &net,
-                        fds,
-                        DEFAULT_SPIN,
-                        max_message_bytes as usize,
-                    )
-                    .map(|chans| (comms, chans))
+                    GraphChannels::open(&chans, &net, fds, DEFAULT_SPIN, max_message_bytes as usize)
+                        .map(|chans| (comms, chans))
                 });
                 let (comms, graph_chans) = match opened {
                     Ok(opened) => opened,

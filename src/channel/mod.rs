@@ -21,9 +21,9 @@ use std::time::Instant;
 #[cfg(all(test, not(loom)))]
 mod frame_tests;
 pub(crate) mod local;
-pub(crate) mod net;
 #[cfg(all(test, loom))]
 mod loom_tests;
+pub(crate) mod net;
 pub(crate) mod shm;
 pub(crate) mod slot;
 pub(crate) mod wait;

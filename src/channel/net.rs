@@ -442,6 +442,7 @@ pub(crate) fn relay(stream: TcpStream, mut shm: ShmWriter, limit: usize) -> Resu
 mod tests {
     use super::*;
     use crate::Buffer;
+    use std::io::Write;
     use std::net::TcpListener;
 
     fn pair() -> (TcpStream, TcpStream) {

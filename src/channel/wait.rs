@@ -125,7 +125,10 @@ impl SpinPolicy {
     /// Phases 1 and 2 of one wait for a condition that has no wait cell (a socket): polls
     /// `ready` until it holds (`Ok(true)`) or the budget is spent (`Ok(false)`: the caller
     /// sleeps its own way now).
-    pub(crate) fn idle<E>(&mut self, mut ready: impl FnMut() -> Result<bool, E>) -> Result<bool, E> {
+    pub(crate) fn idle<E>(
+        &mut self,
+        mut ready: impl FnMut() -> Result<bool, E>,
+    ) -> Result<bool, E> {
         let mut backoff = self.backoff();
         loop {
             if ready()? {

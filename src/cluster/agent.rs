@@ -1,13 +1,13 @@
 //! The agent of a host: the user's own executable started by a cluster launcher with
 //! `ADAG_JOIN` and `ADAG_TOKEN` in its environment. It joins the driver and stays until the
 //! driver goes (connection closed, or silent past the heartbeat timeout), then exits.
+use super::data::DataPlane;
 use super::wire::{
     self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
 };
 use super::{ENV_HOST_NAME, ENV_JOIN, ENV_TOKEN};
 use parking_lot::Mutex;
 use std::io;
-use super::data::DataPlane;
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -169,8 +169,9 @@ fn run(join: &str, make: MakeServices) -> Result<(), String> {
     let local_ip = stream.local_addr().map_err(|e| e.to_string())?.ip();
     let driver_ip = stream.peer_addr().map_err(|e| e.to_string())?.ip();
     let bind = env_addr(ENV_DATA_ADDR)?.unwrap_or(SocketAddr::new(local_ip, 0));
-    let data = DataPlane::start(bind, token.as_bytes())
-        .map_err(|e| format!("cannot listen for data connections on {bind} ({ENV_DATA_ADDR}): {e}"))?;
+    let data = DataPlane::start(bind, token.as_bytes()).map_err(|e| {
+        format!("cannot listen for data connections on {bind} ({ENV_DATA_ADDR}): {e}")
+    })?;
     let advertised = env_addr(ENV_DATA_ADVERTISE)?.unwrap_or(data.addr());
     wire::write_frame(
         &mut stream,

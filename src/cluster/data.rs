@@ -39,7 +39,14 @@ const PROOF: usize = 32;
 
 type HmacSha256 = Hmac<Sha256>;
 
-fn proof(secret: &[u8], role: &[u8], nonce_r: &[u8], nonce_w: &[u8], graph: u64, chan: u64) -> HmacSha256 {
+fn proof(
+    secret: &[u8],
+    role: &[u8],
+    nonce_r: &[u8],
+    nonce_w: &[u8],
+    graph: u64,
+    chan: u64,
+) -> HmacSha256 {
     let mut mac =
         <HmacSha256 as KeyInit>::new_from_slice(secret).expect("HMAC takes a key of any length");
     mac.update(b"adag-data ");
@@ -99,7 +106,12 @@ impl DataPlane {
     }
 
     /// The connection of channel `chan` of graph `graph`, waiting until `deadline` for it.
-    pub(crate) fn take(&self, graph: u64, chan: u64, deadline: Instant) -> Result<TcpStream, String> {
+    pub(crate) fn take(
+        &self,
+        graph: u64,
+        chan: u64,
+        deadline: Instant,
+    ) -> Result<TcpStream, String> {
         let mut arrived = self.arrived.lock();
         loop {
             if let Some((stream, _)) = arrived.remove(&(graph, chan)) {

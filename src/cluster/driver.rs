@@ -1,10 +1,10 @@
 //! The driver's side of a cluster: it listens, authenticates each joining agent, keeps a table
 //! of hosts and a heartbeat with each, and marks a host lost when its connection closes or
 //! falls silent past the heartbeat timeout.
+use super::data::DataPlane;
 use super::wire::{
     self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
 };
-use super::data::DataPlane;
 use super::{ClusterOptions, HostInfo};
 use crate::error::{Error, Result};
 use crossbeam_channel::Sender;
@@ -156,7 +156,6 @@ impl ClusterDriver {
         );
         all
     }
-
 
     /// The hosts that joined and are not lost, in joining order.
     pub(crate) fn hosts(&self) -> Vec<HostInfo> {

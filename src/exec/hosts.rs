@@ -1,10 +1,10 @@
 //! The parts of a graph on other hosts: the driver sends each host its part (through the
 //! host's agent, which makes the channels there, connects the network channels written there,
 //! takes those read there and installs its actors' schedules), and closes it at teardown.
+use crate::actor::HandleCore;
 use crate::actor::channels::ChannelSizes;
 use crate::actor::host::ActorLink;
 use crate::actor::remote::{HostPart, close_on_host, install_on_host};
-use crate::actor::HandleCore;
 use crate::cluster::driver::ClusterDriver;
 use crate::compile::plan::GraphPlan;
 use crossbeam_channel::Sender;
@@ -71,8 +71,9 @@ impl RemoteParts {
                     }
                 });
             if let Err(e) = spawned {
-                parts.hosts.lock().entry(host).or_default().result =
-                    Some(Err(format!("no thread to install the graph on host {host}: {e}")));
+                parts.hosts.lock().entry(host).or_default().result = Some(Err(format!(
+                    "no thread to install the graph on host {host}: {e}"
+                )));
             }
         }
         Some(parts)

@@ -2,7 +2,6 @@
 //! teardown and the death of an actor.
 use crate::actor::HandleCore;
 use crate::actor::channels::{ChannelSizes, GraphChannels};
-use hosts::RemoteParts;
 use crate::actor::host::{ActorLink, Control, RunRequest};
 use crate::actor::worker::DeathSink;
 use crate::channel::{ChanError, FanOut, Reader};
@@ -11,6 +10,7 @@ use crate::compile::{CompileOptions, Planned, deadline_after};
 use crate::error::{Capacity, Error, Result};
 use crate::value::Value;
 use crossbeam_channel::Receiver;
+use hosts::RemoteParts;
 use parking_lot::{Condvar, Mutex};
 use std::any::Any;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -507,13 +507,21 @@ impl<I: Value> GraphShared<I> {
     /// An actor's schedule stopped on another host before the graph was closed (one of its
     /// connections broke): the graph is over.
     fn schedule_stopped(&self, actor: &str, why: &str) {
-        tracing::warn!(graph = self.id, actor, why, "a schedule stopped: tearing the graph down");
+        tracing::warn!(
+            graph = self.id,
+            actor,
+            why,
+            "a schedule stopped: tearing the graph down"
+        );
         let fault = Error::TornDown {
             reason: Some(format!(
                 "the schedule of actor {actor} stopped {why}; a connection between hosts broke or a host stalled; compile the graph again"
             )),
         };
-        let _ = self.teardown_inner(Some(format!("actor {actor}'s schedule stopped")), Some(fault));
+        let _ = self.teardown_inner(
+            Some(format!("actor {actor}'s schedule stopped")),
+            Some(fault),
+        );
     }
 }
 
@@ -1074,7 +1082,11 @@ impl<I: Value> RefOwner for GraphShared<I> {
     }
 
     fn settle(&self) {
-        drop(self.teardown_lock.lock());
+        // Only a teardown that a death or a fault started: a get woken by an explicit
+        // teardown must not wait for it (it may wait for a slow method).
+        if self.death.lock().is_some() {
+            drop(self.teardown_lock.lock());
+        }
     }
 
     fn wait_ready(&self, exec: u64, output: usize, timeout: Option<Duration>) -> Result<bool> {
