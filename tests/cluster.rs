@@ -348,26 +348,6 @@ fn remote_deaths_are_actor_died() {
     );
 }
 
-/// Graphs with an actor on another host are refused, naming the actor and what to do (the
-/// network channels come next).
-#[test]
-fn graphs_across_hosts_are_refused_for_now() {
-    let rt = Runtime::new().unwrap();
-    let addr = rt.listen(options()).unwrap();
-    let _hosts = LocalHosts::start(1, addr, SECRET).unwrap();
-    let h = rt.wait_for_hosts(1, JOIN_TIMEOUT).unwrap()[0].id;
-    let a = rt.spawn::<Counter>(adag::Placement::Host(h), 0).unwrap();
-    let dag = adag::Dag::<u64>::new();
-    let err = dag
-        .compile(a.add(dag.input()), adag::CompileOptions::default())
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains(a.name()) && err.contains("host"), "{err}");
-    // The actor was released: one-off calls still work.
-    assert_eq!(a.call().add(3).unwrap(), 3);
-}
-
 /// When the driver goes, each agent leaves with every worker it started.
 #[test]
 fn agents_leave_with_their_workers() {

@@ -24,6 +24,8 @@ use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+mod hosts;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "adag-bench",
@@ -671,6 +673,7 @@ fn run(args: &Args) -> Result<Vec<Row>> {
     b.payloads().context("payloads")?;
     b.async_echo().context("async_echo")?;
     b.compile().context("compile")?;
+    b.hosts().context("hosts")?;
     Ok(b.rows)
 }
 

@@ -2,8 +2,9 @@
 """Measure adag and Ray Compiled Graphs in the same run, side by side.
 
 Runs R rounds (default 3), each round one `adag-bench --json` and one
-`scripts/ray/workloads.py --json`, alternating which goes first, so that both see the same
-background load. Takes the median over rounds of every figure of every workload, prints a
+`scripts/ray/workloads.py --json` (followed by `scripts/ray/hosts.py --json`, the cross-host
+rows on a local Ray cluster of four nodes, unless `--no-hosts`), alternating which system goes
+first, so that both see the same background load. Takes the median over rounds of every figure of every workload, prints a
 table with ratios, and writes docs/benchmarks.json and docs/benchmarks.png.
 
     bash scripts/ray/setup.sh                                 # once: target/ray-venv
@@ -40,6 +41,18 @@ def run_json(cmd, label, timeout):
             return json.load(fh)
     finally:
         os.unlink(path)
+
+
+def run_ray(cmds, label, timeout):
+    """Runs each Ray runner in turn; one report with all their rows."""
+    report = None
+    for i, cmd in enumerate(cmds):
+        rep = run_json(cmd, f"{label} ({i + 1}/{len(cmds)})", timeout)
+        if report is None:
+            report = rep
+        else:
+            report["results"] += rep["results"]
+    return report
 
 
 def median_rows(reports):
@@ -178,6 +191,7 @@ def main():
     p.add_argument("--ray-python", default=os.path.join(ROOT, "target", "ray-venv", "bin", "python"))
     p.add_argument("--ray-args", default="", help="extra arguments of workloads.py (e.g. '--iters 2000')")
     p.add_argument("--no-ray", action="store_true", help="measure adag only")
+    p.add_argument("--no-hosts", action="store_true", help="skip Ray's cross-host runner (scripts/ray/hosts.py)")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "docs"), help="where benchmarks.json/.png go (default docs/)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds one runner may take")
     args = p.parse_args()
@@ -190,16 +204,25 @@ def main():
     common = (["--quick"] if args.quick else []) + (["--filter", args.filter] if args.filter else [])
     adag_cmd = [args.adag_bin] + common + args.adag_args.split()
     ray_cmd = [args.ray_python, os.path.join(ROOT, "scripts", "ray", "workloads.py")] + common + args.ray_args.split()
+    ray_cmds = [ray_cmd]
+    wants_hosts = not args.no_hosts and (args.filter is None or "hosts" in args.filter or args.filter in "/hosts")
+    if wants_hosts:
+        ray_cmds.append([args.ray_python, os.path.join(ROOT, "scripts", "ray", "hosts.py")] + common
+                        + args.ray_args.split())
 
     adag_reports, ray_reports = [], []
     for r in range(args.rounds):
         steps = [("adag", adag_cmd, adag_reports)]
         if not ray_missing:
-            steps.append(("ray", ray_cmd, ray_reports))
+            steps.append(("ray", ray_cmds, ray_reports))
             if r % 2 == 1:
                 steps.reverse()
         for name, cmd, sink in steps:
-            sink.append(run_json(cmd, f"round {r + 1}/{args.rounds} {name}", args.timeout))
+            label = f"round {r + 1}/{args.rounds} {name}"
+            if name == "ray":
+                sink.append(run_ray(cmd, label, args.timeout))
+            else:
+                sink.append(run_json(cmd, label, args.timeout))
 
     adag = median_rows(adag_reports)
     ray = median_rows(ray_reports) if ray_reports else {}
@@ -223,7 +246,7 @@ def main():
         "quick": args.quick,
         "machine": machine | {"python": platform.python_version()},
         "adag_command": " ".join(adag_cmd),
-        "ray_command": None if ray_missing else " ".join(ray_cmd),
+        "ray_command": None if ray_missing else " && ".join(" ".join(c) for c in ray_cmds),
         "ray_version": ray_reports[0]["version"] if ray_reports else None,
         "ray_missing": ray_missing,
         "ratio_convention": "adag / Ray; latency: lower is better; throughput and GB/s: higher is better",

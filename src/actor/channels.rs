@@ -5,14 +5,17 @@
 //! [`ChannelReader`](crate::channel::ChannelReader).
 use super::observe::EdgeCount;
 use crate::channel::local::LocalHub;
+use crate::channel::net::{self, NetRx, NetTx};
 use crate::channel::shm::{ShmChannel, ShmConfig, ShmRx, ShmTx};
 use crate::channel::{ChanError, EndCounters, FanOut, Msg, Reader, Writer};
+use crate::cluster::data::DataPlane;
 use crate::compile::plan::{ChannelKind, GraphPlan, Loc};
 use crate::error::{Error, Result};
 use crate::value::{AnyValue, Value};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -30,11 +33,30 @@ pub(crate) struct ChannelSizes {
 /// Where an edge's endpoints are found in this process.
 pub(crate) struct GraphChannels {
     local: LocalHub,
-    /// The shared-memory channels mapped here, by channel id.
+    /// The shared-memory channels mapped here, by channel id (a relayed network channel's
+    /// ring on its readers' host has the network channel's id).
     shm: HashMap<u64, ShmChannel>,
+    /// The connections of network channels whose end is in this process (or that this host
+    /// hands to one of its workers), by channel id, until that end is opened.
+    net: Mutex<HashMap<u64, TcpStream>>,
+    /// Every connection this process opened or received, kept to shut it down at close:
+    /// shutting a socket down wakes its ends in every process that holds it.
+    net_all: Mutex<Vec<TcpStream>>,
+    /// The ceiling of one message (network ends check it themselves).
+    max_message_bytes: usize,
+    spin: Duration,
     /// The counters of every writer opened here, by edge (read by the graph's statistics;
     /// locked only when a writer is opened and when statistics are read).
     counters: EdgeCounters,
+}
+
+/// What a host hands one of its workers for a graph: the ids of its shared-memory channels
+/// and network connections, and their descriptors in that order.
+#[derive(Default)]
+pub(crate) struct Handed {
+    pub shm: Vec<u64>,
+    pub net: Vec<u64>,
+    pub fds: Vec<OwnedFd>,
 }
 
 /// The counters of the writers a process opened for one graph, by edge: shared, so that a
@@ -68,84 +90,221 @@ impl EdgeCounters {
 impl GraphChannels {
     /// The channels of a graph in a process that maps the shared-memory channels `shm`; the
     /// in-process channels' waits spin up to `spin` before they sleep.
-    fn new(shm: HashMap<u64, ShmChannel>, spin: Duration) -> Self {
+    fn new(shm: HashMap<u64, ShmChannel>, spin: Duration, max_message_bytes: usize) -> Self {
         GraphChannels {
             local: LocalHub::new(spin),
             shm,
+            net: Mutex::new(HashMap::new()),
+            net_all: Mutex::new(Vec::new()),
+            max_message_bytes,
+            spin,
             counters: EdgeCounters::default(),
         }
     }
 
-    /// The driver's channels of `plan`: makes every channel that crosses a process.
-    pub(crate) fn create(plan: &GraphPlan, sizes: &ChannelSizes) -> Result<Self> {
+    /// The channels of `plan` that host `host` makes (the driver for its own host, an agent
+    /// for its): every shared-memory channel whose writer is on the host, and the ring of
+    /// each network channel relayed to readers there.
+    pub(crate) fn create(plan: &GraphPlan, sizes: &ChannelSizes, host: u64) -> Result<Self> {
         let mut shm = HashMap::new();
         for edge in plan.edges.values() {
-            if let Some(s) = edge.channel(ChannelKind::SharedMemory) {
+            let here = plan.host_of(edge.writer) == host;
+            for chan in &edge.channels {
+                let make = match chan.kind {
+                    ChannelKind::SharedMemory => here,
+                    ChannelKind::Network => chan.relayed() && chan.host == host,
+                    ChannelKind::InProcess => false,
+                };
+                if !make {
+                    continue;
+                }
                 let cfg = ShmConfig {
                     depth: plan.depth as u32,
-                    readers: s.readers.len() as u32,
+                    readers: chan.readers.len() as u32,
                     slot_bytes: sizes.slot_bytes,
                     max_message_bytes: sizes.max_message_bytes,
                     spin: sizes.spin,
                 };
-                let ch = ShmChannel::create(&cfg, &format!("adag-g{}-e{}", plan.graph, edge.id))
+                let ch = ShmChannel::create(&cfg, &format!("adag-g{}-c{}", plan.graph, chan.id))
                     .map_err(|e| {
                         Error::io(
                             format!("creating the shared-memory channel of {}", edge.label),
                             e,
                         )
                     })?;
-                shm.insert(s.id, ch);
+                shm.insert(chan.id, ch);
             }
         }
-        Ok(Self::new(shm, sizes.spin))
+        Ok(Self::new(shm, sizes.spin, sizes.max_message_bytes))
     }
 
-    /// The channels that endpoint `me` (in another process) writes or reads: their ids and
-    /// descriptors, to send along with its schedule.
-    pub(crate) fn handed_to(
+    /// Opens host `host`'s network connections of `plan`: connects to the reading host of each
+    /// network channel written here (`addrs`: each host's data port), then takes each
+    /// connection that a writing host made to this one from `data` (waiting until
+    /// `deadline`), and starts the relay of each channel whose several readers here share a
+    /// ring. Every host connects before it waits, so no order of installs deadlocks.
+    pub(crate) fn connect_network(
         &self,
         plan: &GraphPlan,
-        me: Loc,
-    ) -> Result<(Vec<u64>, Vec<BorrowedFd<'_>>)> {
-        let mut ids = Vec::new();
-        let mut fds = Vec::new();
-        for e in plan.edges.values() {
-            if let Some(s) = e.channel(ChannelKind::SharedMemory)
-                && (e.writer == me || s.readers.contains(&me))
-            {
-                let fd = self.shm.get(&s.id).map(ShmChannel::fd).ok_or_else(|| {
-                    Error::compile(
-                        e.label.clone(),
-                        "its shared-memory channel is not mapped in the driver (a bug)",
-                    )
-                })?;
-                ids.push(s.id);
-                fds.push(fd);
+        host: u64,
+        data: &DataPlane,
+        addrs: &HashMap<u64, SocketAddr>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let network = || {
+            plan.edges
+                .values()
+                .flat_map(|e| e.network_channels().map(move |c| (e, c)))
+        };
+        for (edge, chan) in network().filter(|(e, _)| plan.host_of(e.writer) == host) {
+            let addr = addrs.get(&chan.host).ok_or_else(|| {
+                Error::compile(
+                    edge.label.clone(),
+                    format!("host {} (its readers' host) is not connected", chan.host),
+                )
+            })?;
+            let stream = data.connect(*addr, plan.graph, chan.id).map_err(|e| {
+                Error::io(
+                    format!(
+                        "connecting the network channel of {} from host {host} to host {} at {addr}",
+                        edge.label, chan.host
+                    ),
+                    e,
+                )
+            })?;
+            self.keep(chan.id, stream)?;
+        }
+        for (edge, chan) in network().filter(|(_, c)| c.host == host) {
+            let stream = data.take(plan.graph, chan.id, deadline).map_err(|why| {
+                Error::compile(
+                    edge.label.clone(),
+                    format!(
+                        "its network channel from host {} to host {host}: {why}",
+                        plan.host_of(edge.writer)
+                    ),
+                )
+            })?;
+            if chan.relayed() {
+                let ring = self
+                    .shm(edge.id, chan.id)
+                    .map_err(|e| Error::compile(edge.label.clone(), e))?;
+                let writer = ring.writer();
+                let closer = stream
+                    .try_clone()
+                    .map_err(|e| Error::io("keeping a network connection", e))?;
+                self.net_all.lock().push(closer);
+                let (limit, label) = (self.max_message_bytes, edge.label.clone());
+                std::thread::Builder::new()
+                    .name(format!("adag-relay-{}", chan.id))
+                    .spawn(move || {
+                        if let Err(e) = net::relay(stream, writer, limit) {
+                            tracing::debug!(edge = %label, error = ?e, "relay ended");
+                        }
+                    })
+                    .map_err(|e| Error::io("starting a relay thread", e))?;
+            } else {
+                self.keep(chan.id, stream)?;
             }
         }
-        Ok((ids, fds))
+        Ok(())
     }
 
-    /// A worker's channels: the ones named `ids`, whose descriptors `fds` came in that order.
+    /// Files a network connection for the end that will open it.
+    fn keep(&self, chan: u64, stream: TcpStream) -> Result<()> {
+        net::prepare(&stream).map_err(|e| Error::io("setting up a network connection", e))?;
+        let closer = stream
+            .try_clone()
+            .map_err(|e| Error::io("keeping a network connection", e))?;
+        self.net_all.lock().push(closer);
+        self.net.lock().insert(chan, stream);
+        Ok(())
+    }
+
+    /// The channels that endpoint `me` (a worker of this host) writes or reads: the ids of
+    /// its shared-memory channels and of its network connections, and their descriptors in
+    /// that order, to send along with its schedule. The connections handed over are no
+    /// longer this process's to open (it keeps them only to shut them down).
+    pub(crate) fn handed_to(&self, plan: &GraphPlan, me: Loc) -> Result<Handed> {
+        let mut handed = Handed::default();
+        for e in plan.edges.values() {
+            for chan in &e.channels {
+                let mine = e.writer == me || chan.readers.contains(&me);
+                if !mine {
+                    continue;
+                }
+                match chan.kind {
+                    ChannelKind::InProcess => {}
+                    ChannelKind::SharedMemory => handed.shm.push(chan.id),
+                    ChannelKind::Network if e.writer != me && chan.relayed() => {
+                        handed.shm.push(chan.id)
+                    }
+                    ChannelKind::Network => handed.net.push(chan.id),
+                }
+            }
+        }
+        for id in &handed.shm {
+            let ch = self.shm.get(id).ok_or_else(|| {
+                Error::io(
+                    format!("handing channel {id} to {me:?}"),
+                    "its shared-memory channel is not mapped on this host (a bug)",
+                )
+            })?;
+            handed.fds.push(
+                ch.fd()
+                    .try_clone_to_owned()
+                    .map_err(|e| Error::io("handing a channel over", e))?,
+            );
+        }
+        let mut net = self.net.lock();
+        for id in &handed.net {
+            let stream = net.remove(id).ok_or_else(|| {
+                Error::io(
+                    format!("handing network channel {id} to {me:?}"),
+                    "its connection is not open on this host (a bug)",
+                )
+            })?;
+            handed.fds.push(OwnedFd::from(stream));
+        }
+        Ok(handed)
+    }
+
+    /// A worker's channels: the shared-memory channels `ids` and the network connections
+    /// `net`, whose descriptors `fds` came in that order.
     pub(crate) fn open(
         ids: &[u64],
+        net: &[u64],
         fds: Vec<OwnedFd>,
         spin: Duration,
+        max_message_bytes: usize,
     ) -> std::result::Result<Self, String> {
-        if fds.len() != ids.len() {
+        if fds.len() != ids.len() + net.len() {
             return Err(format!(
                 "expected {} channel fds, got {}",
-                ids.len(),
+                ids.len() + net.len(),
                 fds.len()
             ));
         }
         let mut shm = HashMap::new();
-        for (id, fd) in ids.iter().zip(fds) {
+        let mut fds = fds.into_iter();
+        for (id, fd) in ids.iter().zip(fds.by_ref()) {
             let ch = ShmChannel::open(fd).map_err(|e| format!("cannot map channel {id}: {e}"))?;
             shm.insert(*id, ch);
         }
-        Ok(Self::new(shm, spin))
+        let chans = Self::new(shm, spin, max_message_bytes);
+        for (id, fd) in net.iter().zip(fds) {
+            chans
+                .keep(*id, TcpStream::from(fd))
+                .map_err(|e| format!("network channel {id}: {e}"))?;
+        }
+        Ok(chans)
+    }
+
+    fn take_net(&self, edge: &str, chan: u64) -> std::result::Result<TcpStream, String> {
+        self.net.lock().remove(&chan).ok_or_else(|| {
+            format!(
+                "edge {edge}: network channel {chan} is not connected here (or was opened twice)"
+            )
+        })
     }
 
     fn shm(&self, edge: u64, chan: u64) -> std::result::Result<&ShmChannel, String> {
@@ -184,6 +343,12 @@ impl GraphChannels {
                             .counted(counters.clone()),
                     ));
                 }
+                ChannelKind::Network => {
+                    ends.push(Box::new(
+                        NetTx::<T>::new(self.take_net(&e.label, chan.id)?, self.max_message_bytes)
+                            .counted(counters.clone()),
+                    ));
+                }
             }
         }
         self.counters.0.lock().push((edge, counters.clone()));
@@ -210,7 +375,20 @@ impl GraphChannels {
             ChannelKind::SharedMemory => Box::new(ShmRx::<T>::new(
                 self.shm(edge, chan.id)?.reader(index as u32),
             )),
+            ChannelKind::Network if chan.relayed() => Box::new(ShmRx::<T>::new(
+                self.shm(edge, chan.id)?.reader(index as u32),
+            )),
+            ChannelKind::Network => Box::new(NetRx::<T>::new(
+                self.take_net(&e.label, chan.id)?,
+                self.max_message_bytes,
+                self.spin,
+            )),
         })
+    }
+
+    /// The ceiling of one message.
+    pub(crate) fn max_message_bytes(&self) -> usize {
+        self.max_message_bytes
     }
 
     /// The counters of every writer opened in this process (and of those opened later).
@@ -223,6 +401,9 @@ impl GraphChannels {
     pub(crate) fn close_all(&self) {
         for ch in self.shm.values() {
             ch.close();
+        }
+        for stream in self.net_all.lock().iter() {
+            net::shut(stream);
         }
         self.local.close();
     }

@@ -105,6 +105,13 @@ impl ActorInfo for ActorShared {
             host::ActorLink::Process(_) | host::ActorLink::Remote(_) => self.id,
         }
     }
+
+    fn host(&self) -> u64 {
+        match &self.link {
+            host::ActorLink::Remote(link) => link.host(),
+            host::ActorLink::Thread(_) | host::ActorLink::Process(_) => 0,
+        }
+    }
 }
 
 impl<A: Actor> From<&ActorHandle<A>> for ActorRef {

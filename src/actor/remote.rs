@@ -1,16 +1,76 @@
 //! Actors on other hosts: the driver's link to an actor whose worker runs on a joined host
 //! ([`RemoteLink`]), and what a host's agent does for the driver ([`AgentWorkers`]): start
 //! workers there with the same rules as here, serve one-off calls, report deaths.
+use super::channels::{ChannelSizes, GraphChannels};
 use super::method::CallFailure;
 use super::worker::{ProcessLink, graphs};
-use crate::cluster::agent::{AgentServices, DeathReporter};
+use crate::cluster::agent::{AgentContext, AgentServices};
+use crate::cluster::data::DataPlane;
 use crate::cluster::driver::ClusterDriver;
 use crate::cluster::wire::{AgentReply, AgentRequest, RemoteFailure};
+use crate::compile::plan::{GraphPlan, Loc};
 use crate::error::{Error, Result};
 use crate::value::Value;
 use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// How long a host waits for the connections and actors of a graph it installs.
+pub(crate) const INSTALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a host waits at teardown for its actors to stop their loops.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One host's part of a graph, as the driver sends it to that host's agent.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct HostPart {
+    pub plan: GraphPlan,
+    pub host: u64,
+    pub slot_bytes: u64,
+    pub max_message_bytes: u64,
+    pub spin_ns: u64,
+    pub timeline: bool,
+    /// Each host's data port (host 0's address may be unspecified: the driver's address as
+    /// the agent reaches it, then).
+    pub addrs: Vec<(u64, SocketAddr)>,
+}
+
+/// Install `part` on its host through the host's agent: returns once every actor of the
+/// graph there installed its schedule.
+pub(crate) fn install_on_host(cluster: &ClusterDriver, part: &HostPart) -> Result<()> {
+    let host = part.host;
+    let bytes = postcard::to_stdvec(part)
+        .map_err(|e| Error::io(format!("encoding the part of host {host}"), e.to_string()))?;
+    match cluster.request(
+        host,
+        AgentRequest::Install {
+            graph: part.plan.graph,
+            part: bytes,
+        },
+    ) {
+        Ok(_) => Ok(()),
+        Err(f) => Err(Error::compile(
+            format!("the actors on {}", cluster.describe_host(host)),
+            format!(
+                "installing the graph there failed: {}",
+                match f {
+                    RemoteFailure::Spawn(m)
+                    | RemoteFailure::Died(m)
+                    | RemoteFailure::HostLost(m) => m,
+                    other => format!("{other:?}"),
+                }
+            ),
+        )),
+    }
+}
+
+/// Close graph `graph` on host `host`; returns once its actors there stopped (or the host is
+/// gone).
+pub(crate) fn close_on_host(cluster: &ClusterDriver, host: u64, graph: u64) {
+    let _ = cluster.request(host, AgentRequest::CloseGraph { graph });
+}
 
 /// The driver's link to an actor on another host.
 pub(crate) struct RemoteLink {
@@ -178,6 +238,19 @@ impl RemoteLink {
     pub(crate) fn host(&self) -> u64 {
         self.host
     }
+
+    /// The cluster the actor's host joined.
+    pub(crate) fn cluster(&self) -> &Arc<ClusterDriver> {
+        &self.cluster
+    }
+
+    /// Why the actor is gone (its worker died or its host was lost), once it is.
+    pub(crate) fn died(&self) -> Option<Error> {
+        self.dead.lock().clone().map(|reason| Error::ActorDied {
+            actor: self.name.clone(),
+            reason,
+        })
+    }
 }
 
 impl Drop for RemoteLink {
@@ -191,14 +264,28 @@ impl Drop for RemoteLink {
 /// The workers a host's agent started for the driver.
 pub(crate) struct AgentWorkers {
     workers: Mutex<HashMap<u64, Arc<ProcessLink>>>,
-    reporter: DeathReporter,
+    reporter: crate::cluster::agent::DeathReporter,
+    data: Arc<DataPlane>,
+    driver_ip: IpAddr,
+    /// The graphs installed on this host, by id.
+    graphs: Arc<Mutex<HashMap<u64, HostGraph>>>,
+}
+
+/// A graph's part on this host: its channels here, and a signal (disconnected) once every
+/// actor of it here stopped its schedule.
+struct HostGraph {
+    chans: Arc<GraphChannels>,
+    stopped: crossbeam_channel::Receiver<()>,
 }
 
 /// The agent's services (see `cluster::agent`).
-pub(crate) fn agent_services(reporter: DeathReporter) -> Box<dyn AgentServices> {
+pub(crate) fn agent_services(ctx: AgentContext) -> Box<dyn AgentServices> {
     Box::new(AgentWorkers {
         workers: Mutex::new(HashMap::new()),
-        reporter,
+        reporter: ctx.deaths,
+        data: ctx.data,
+        driver_ip: ctx.driver_ip,
+        graphs: Arc::new(Mutex::new(HashMap::new())),
     })
 }
 
@@ -281,7 +368,128 @@ impl AgentServices for AgentWorkers {
         drop(link);
     }
 
+    fn install(&self, graph: u64, part: Vec<u8>) -> std::result::Result<(), String> {
+        let part: HostPart = postcard::from_bytes(&part)
+            .map_err(|e| format!("the driver sent a graph this host cannot read ({e}): run the same binary on every host"))?;
+        let host = part.host;
+        let plan = Arc::new(part.plan);
+        let sizes = ChannelSizes {
+            slot_bytes: part.slot_bytes as usize,
+            max_message_bytes: part.max_message_bytes as usize,
+            spin: Duration::from_nanos(part.spin_ns),
+        };
+        let addrs: HashMap<u64, SocketAddr> = part
+            .addrs
+            .into_iter()
+            .map(|(h, a)| {
+                if a.ip().is_unspecified() {
+                    (h, SocketAddr::new(self.driver_ip, a.port()))
+                } else {
+                    (h, a)
+                }
+            })
+            .collect();
+        let deadline = Instant::now() + INSTALL_TIMEOUT;
+        let chans =
+            Arc::new(GraphChannels::create(&plan, &sizes, host).map_err(|e| e.to_string())?);
+        let fail = |e: String| {
+            chans.close_all();
+            self.data.forget_graph(graph);
+            e
+        };
+        chans
+            .connect_network(&plan, host, &self.data, &addrs, deadline)
+            .map_err(|e| fail(e.to_string()))?;
+        let mut installing = Vec::new();
+        let mut done = Vec::new();
+        for a in plan
+            .actors
+            .iter()
+            .filter(|a| plan.host_of(Loc::Actor(a.actor)) == host)
+        {
+            let link = self
+                .link(a.actor)
+                .map_err(|_| fail(format!("actor {} does not run on this host", a.name)))?;
+            let (installed, installed_rx) = crossbeam_channel::bounded(1);
+            let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+            link.install(
+                a.actor,
+                plan.clone(),
+                &chans,
+                installed,
+                done_tx,
+                (Vec::new(), Vec::new()),
+                part.timeline,
+            )
+            .map_err(|e| fail(e.to_string()))?;
+            installing.push((a.name.clone(), installed_rx));
+            done.push((a.name.clone(), done_rx));
+        }
+        for (name, rx) in installing {
+            match rx.recv_deadline(deadline) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(fail(format!("actor {name}: {e}"))),
+                Err(_) => {
+                    return Err(fail(format!(
+                        "actor {name} did not install its schedule within {INSTALL_TIMEOUT:?}"
+                    )));
+                }
+            }
+        }
+        let (stopped_tx, stopped) = crossbeam_channel::bounded::<()>(0);
+        self.graphs.lock().insert(
+            graph,
+            HostGraph {
+                chans: chans.clone(),
+                stopped,
+            },
+        );
+        let (graphs, reporter) = (self.graphs.clone(), self.reporter.clone());
+        // Watches the schedules here: one that stops before the driver closed the graph (a
+        // connection broke) ends the graph on this host and is reported to the driver.
+        std::thread::Builder::new()
+            .name(format!("adag-graph-watch-{graph}"))
+            .spawn(move || {
+                let mut select = crossbeam_channel::Select::new();
+                for (_, rx) in &done {
+                    select.recv(rx);
+                }
+                let mut reported = false;
+                for _ in 0..done.len() {
+                    let op = select.select();
+                    let at = op.index();
+                    let (name, rx) = &done[at];
+                    let why = op.recv(rx);
+                    select.remove(at);
+                    if let Ok(why) = why
+                        && !reported
+                        && graphs.lock().contains_key(&graph)
+                    {
+                        reported = true;
+                        chans.close_all();
+                        reporter.graph_fault(graph, name, &why);
+                    }
+                }
+                drop(stopped_tx);
+            })
+            .map_err(|e| format!("cannot start a watcher thread: {e}"))?;
+        Ok(())
+    }
+
+    fn close_graph(&self, graph: u64) {
+        self.data.forget_graph(graph);
+        let Some(g) = self.graphs.lock().remove(&graph) else {
+            return;
+        };
+        g.chans.close_all();
+        let _ = g.stopped.recv_timeout(CLOSE_TIMEOUT);
+    }
+
     fn shutdown(&self) {
+        let graphs: Vec<u64> = self.graphs.lock().keys().copied().collect();
+        for g in graphs {
+            self.close_graph(g);
+        }
         let all: Vec<Arc<ProcessLink>> = self.workers.lock().drain().map(|(_, l)| l).collect();
         drop(all);
     }

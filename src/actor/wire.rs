@@ -30,6 +30,11 @@ pub(crate) enum ToWorker {
     Install {
         plan: GraphPlan,
         chans: Vec<u64>,
+        /// Network connections of the graph this worker writes or reads; their fds follow
+        /// the shared-memory channels' fds.
+        net: Vec<u64>,
+        /// The ceiling of one message (network ends check it themselves).
+        max_message_bytes: u64,
         /// Record a timeline of the schedule's operations.
         timeline: bool,
     },

@@ -48,11 +48,13 @@ fn plan() -> GraphPlan {
                     id: 7,
                     kind: ChannelKind::InProcess,
                     readers: vec![Loc::Driver],
+                    host: 0,
                 },
                 ChannelPlan {
                     id: 3,
                     kind: ChannelKind::SharedMemory,
                     readers: vec![Loc::Actor(2)],
+                    host: 0,
                 },
             ],
         },
@@ -76,6 +78,7 @@ fn plan() -> GraphPlan {
         inputs: vec![1],
         outputs: vec![7],
         comm_groups: vec![],
+        hosts: Default::default(),
     }
 }
 
@@ -125,6 +128,8 @@ fn every_message_round_trips() {
         ToWorker::Install {
             plan: plan(),
             chans: vec![3],
+            net: vec![],
+            max_message_bytes: 1 << 20,
             timeline: false,
         },
         ToWorker::Shutdown,
@@ -189,6 +194,8 @@ fn fds_travel_with_their_message() {
         &ToWorker::Install {
             plan: plan(),
             chans: vec![3, 4],
+            net: vec![],
+            max_message_bytes: 1 << 20,
             timeline: false,
         },
         &[w1.as_fd(), w2.as_fd()],
@@ -332,6 +339,8 @@ fn packet() -> impl Strategy<Value = Vec<u8>> {
                     1 => ToWorker::Install {
                         plan: plan(),
                         chans: vec![3],
+                        net: vec![1 << 48],
+                        max_message_bytes: 1 << 20,
                         timeline: false,
                     },
                     2 => ToWorker::Spawn {

@@ -401,17 +401,20 @@ impl ProcessLink {
                     )
                 })?;
         }
-        let (ids, fds) = chans.handed_to(&plan, Loc::Actor(actor))?;
+        let handed = chans.handed_to(&plan, Loc::Actor(actor))?;
         {
             let mut g = self.shared.graph.lock();
             g.installed = Some(installed);
             g.done = Some(done);
         }
+        let fds: Vec<BorrowedFd<'_>> = handed.fds.iter().map(|f| f.as_fd()).collect();
         self.shared
             .send(
                 &ToWorker::Install {
                     plan: (*plan).clone(),
-                    chans: ids.clone(),
+                    chans: handed.shm.clone(),
+                    net: handed.net.clone(),
+                    max_message_bytes: chans.max_message_bytes() as u64,
                     timeline,
                 },
                 &fds,
@@ -550,6 +553,7 @@ pub(crate) fn maybe_run_worker() {
     if fd != WORKER_FD.to_string() || STARTED.swap(true, Ordering::SeqCst) {
         return;
     }
+    ignore_sigpipe();
     // SAFETY: fd WORKER_FD was placed in this process by the driver's pre_exec (dup2) for
     // exactly this purpose; nothing else in the process owns or closes it.
     let sock = unsafe { OwnedFd::from_raw_fd(WORKER_FD) };
@@ -691,11 +695,14 @@ fn worker_main(sock: OwnedFd) -> i32 {
             ToWorker::Install {
                 plan,
                 chans,
+                net,
+                max_message_bytes,
                 timeline,
             } => {
                 let comms = std::mem::replace(&mut comms, Ok(HashMap::new()));
                 let opened = comms.and_then(|comms| {
-                    GraphChannels::open(&chans, fds, DEFAULT_SPIN).map(|chans| (comms, chans))
+                    GraphChannels::open(&chans, &net, fds, DEFAULT_SPIN, max_message_bytes as usize)
+                        .map(|chans| (comms, chans))
                 });
                 let (comms, graph_chans) = match opened {
                     Ok(opened) => opened,
@@ -709,6 +716,7 @@ fn worker_main(sock: OwnedFd) -> i32 {
                 let (done, done_rx) = crossbeam_channel::bounded(1);
                 let recorder = Recorder::new(timeline);
                 let graph_chans = Arc::new(graph_chans);
+                let ends = graph_chans.clone();
                 observed = (recorder.clone(), Some(graph_chans.counters()));
                 let request = RunRequest {
                     plan: Arc::new(plan),
@@ -732,6 +740,11 @@ fn worker_main(sock: OwnedFd) -> i32 {
                         let why = done_rx
                             .recv()
                             .unwrap_or_else(|_| "the actor thread stopped".into());
+                        // However the loop ended, its graph is over: closing every channel
+                        // this worker holds wakes its peers (shared memory is closed for
+                        // every process; a connection shut down reaches the other host), so
+                        // a loop stopped by a broken connection stops the whole graph.
+                        ends.close_all();
                         send(&FromWorker::GraphDone(why));
                     });
             }
@@ -749,6 +762,17 @@ fn keep_freed_memory() {
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 31);
+    }
+}
+
+/// A worker (or agent) runs from a constructor, before Rust's runtime would set `SIGPIPE` to
+/// be ignored as it does for every `main`: set it here, so that a write to a connection a
+/// peer closed is an error, not the death of the process.
+pub(crate) fn ignore_sigpipe() {
+    // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code; it is what
+    // the Rust runtime itself does before `main`.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
 }
 

@@ -8,7 +8,9 @@
 //! - [`slot`]: the writing actor reads its own value (no copy, no synchronisation);
 //! - [`local`]: a reader in the writer's process (in memory, no serialization);
 //! - [`shm`]: readers in other processes of the host (one shared-memory ring for all of them,
-//!   encoded once, large payloads read in place).
+//!   encoded once, large payloads read in place);
+//! - [`net`]: readers on other hosts (one TCP connection per reading host, the ring's frames
+//!   and contract).
 //!
 //! A writer with readers of several kinds writes through a [`FanOut`].
 use crate::error::TaskError;
@@ -21,6 +23,7 @@ mod frame_tests;
 pub(crate) mod local;
 #[cfg(all(test, loom))]
 mod loom_tests;
+pub(crate) mod net;
 pub(crate) mod shm;
 pub(crate) mod slot;
 pub(crate) mod wait;

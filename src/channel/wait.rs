@@ -121,6 +121,25 @@ impl SpinPolicy {
     fn learn(&mut self, backoff: &Backoff) {
         self.pure_steps = if backoff.yielded() { 0 } else { PURE_STEPS };
     }
+
+    /// Phases 1 and 2 of one wait for a condition that has no wait cell (a socket): polls
+    /// `ready` until it holds (`Ok(true)`) or the budget is spent (`Ok(false)`: the caller
+    /// sleeps its own way now).
+    pub(crate) fn idle<E>(
+        &mut self,
+        mut ready: impl FnMut() -> Result<bool, E>,
+    ) -> Result<bool, E> {
+        let mut backoff = self.backoff();
+        loop {
+            if ready()? {
+                self.learn(&backoff);
+                return Ok(true);
+            }
+            if let Step::Spent(_) = backoff.snooze() {
+                return Ok(false);
+            }
+        }
+    }
 }
 
 /// One step of a [`Backoff`].

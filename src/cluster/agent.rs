@@ -1,13 +1,14 @@
 //! The agent of a host: the user's own executable started by a cluster launcher with
 //! `ADAG_JOIN` and `ADAG_TOKEN` in its environment. It joins the driver and stays until the
 //! driver goes (connection closed, or silent past the heartbeat timeout), then exits.
+use super::data::DataPlane;
 use super::wire::{
     self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
 };
 use super::{ENV_HOST_NAME, ENV_JOIN, ENV_TOKEN};
 use parking_lot::Mutex;
 use std::io;
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,8 +23,24 @@ pub(crate) trait AgentServices: Send + Sync {
     fn kill(&self, actor: u64) -> Result<(), String>;
     /// Stop the actor's worker (its last handle is gone).
     fn release(&self, actor: u64);
+    /// Install this host's part of a graph (`part`: encoded by the runtime); returns once
+    /// every actor here installed its schedule.
+    fn install(&self, graph: u64, part: Vec<u8>) -> Result<(), String>;
+    /// Close a graph's channels on this host; returns once its actors here stopped.
+    fn close_graph(&self, graph: u64);
     /// Stop every worker: the agent is leaving.
     fn shutdown(&self);
+}
+
+/// What an agent's services get to work with besides its requests.
+pub(crate) struct AgentContext {
+    /// Tells the driver that an actor's worker died.
+    pub deaths: DeathReporter,
+    /// This host's data port (network channels).
+    pub data: Arc<DataPlane>,
+    /// The driver's address as this host reaches it (a data address of the driver that is
+    /// unspecified means this one).
+    pub driver_ip: IpAddr,
 }
 
 /// Tells the driver that an actor's worker died (given to the services when they are made).
@@ -31,6 +48,20 @@ pub(crate) trait AgentServices: Send + Sync {
 pub(crate) struct DeathReporter(Arc<Mutex<Option<TcpStream>>>);
 
 impl DeathReporter {
+    /// Tells the driver that `actor`'s schedule of `graph` stopped on its own.
+    pub(crate) fn graph_fault(&self, graph: u64, actor: &str, reason: &str) {
+        if let Some(stream) = self.0.lock().as_mut() {
+            let _ = wire::write_frame(
+                stream,
+                &ToDriver::GraphFault {
+                    graph,
+                    actor: actor.to_string(),
+                    reason: reason.to_string(),
+                },
+            );
+        }
+    }
+
     pub(crate) fn died(&self, actor: u64, reason: &str) {
         if let Some(stream) = self.0.lock().as_mut() {
             let _ = wire::write_frame(
@@ -44,8 +75,25 @@ impl DeathReporter {
     }
 }
 
-/// Makes the agent's services, given how to report deaths.
-pub(crate) type MakeServices = fn(DeathReporter) -> Box<dyn AgentServices>;
+/// Makes the agent's services.
+pub(crate) type MakeServices = fn(AgentContext) -> Box<dyn AgentServices>;
+
+/// Where the data port listens (default: the address this host reaches the driver from,
+/// any free port).
+pub const ENV_DATA_ADDR: &str = "ADAG_DATA_ADDR";
+/// Where other hosts reach the data port, when that differs from where it listens (a NAT, a
+/// proxy, a Kubernetes Service).
+pub const ENV_DATA_ADVERTISE: &str = "ADAG_DATA_ADVERTISE";
+
+fn env_addr(name: &str) -> Result<Option<SocketAddr>, String> {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => v
+            .parse()
+            .map(Some)
+            .map_err(|e| format!("{name}={v} is not an ip:port address: {e}")),
+        _ => Ok(None),
+    }
+}
 
 /// Exit status of an agent that could not join (wrong secret, no driver, bad address).
 pub const EXIT_JOIN_FAILED: i32 = 3;
@@ -60,6 +108,11 @@ pub(crate) fn maybe_run_agent(make: MakeServices) {
     let Ok(join) = std::env::var(ENV_JOIN) else {
         return;
     };
+    // Before `main` would: a write to a vanished driver is an error, not a SIGPIPE.
+    // SAFETY: SIG_IGN installs no handler code; the Rust runtime does the same before `main`.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
     let code = match run(&join, make) {
         Ok(()) => 0,
         Err(e) => {
@@ -113,12 +166,20 @@ fn run(join: &str, make: MakeServices) -> Result<(), String> {
     wire::agent_handshake(&mut stream, token.as_bytes())
         .map_err(|e| format!("joining {join}: {e}"))?;
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let local_ip = stream.local_addr().map_err(|e| e.to_string())?.ip();
+    let driver_ip = stream.peer_addr().map_err(|e| e.to_string())?.ip();
+    let bind = env_addr(ENV_DATA_ADDR)?.unwrap_or(SocketAddr::new(local_ip, 0));
+    let data = DataPlane::start(bind, token.as_bytes()).map_err(|e| {
+        format!("cannot listen for data connections on {bind} ({ENV_DATA_ADDR}): {e}")
+    })?;
+    let advertised = env_addr(ENV_DATA_ADVERTISE)?.unwrap_or(data.addr());
     wire::write_frame(
         &mut stream,
         &Hello {
             name: host_name(),
             cores,
             pid: std::process::id(),
+            data: advertised,
         },
     )
     .map_err(|e| format!("joining {join}: {e}"))?;
@@ -140,10 +201,15 @@ fn run(join: &str, make: MakeServices) -> Result<(), String> {
     let writer = Arc::new(Mutex::new(Some(
         stream.try_clone().map_err(|e| e.to_string())?,
     )));
-    let services: Arc<dyn AgentServices> = Arc::from(make(DeathReporter(writer.clone())));
+    let services: Arc<dyn AgentServices> = Arc::from(make(AgentContext {
+        deaths: DeathReporter(writer.clone()),
+        data: data.clone(),
+        driver_ip,
+    }));
     serve(stream, &writer, &services, host, interval, timeout);
     // Leaving: every worker started here goes too, and nothing more is written.
     services.shutdown();
+    data.stop();
     writer.lock().take();
     Ok(())
 }
@@ -253,6 +319,14 @@ fn handle(
             .map_err(RemoteFailure::Died),
         AgentRequest::Release { actor } => {
             services.release(actor);
+            Ok(AgentReply::Done)
+        }
+        AgentRequest::Install { graph, part } => services
+            .install(graph, part)
+            .map(|()| AgentReply::Done)
+            .map_err(RemoteFailure::Spawn),
+        AgentRequest::CloseGraph { graph } => {
+            services.close_graph(graph);
             Ok(AgentReply::Done)
         }
     }

@@ -1,6 +1,7 @@
 //! The driver's side of a cluster: it listens, authenticates each joining agent, keeps a table
 //! of hosts and a heartbeat with each, and marks a host lost when its connection closes or
 //! falls silent past the heartbeat timeout.
+use super::data::DataPlane;
 use super::wire::{
     self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
 };
@@ -17,9 +18,13 @@ use std::time::{Duration, Instant};
 type Reply = Result<AgentReply, RemoteFailure>;
 /// Told why an actor's worker died (or its host was lost).
 pub(crate) type DeathCallback = Box<dyn Fn(&str) + Send + Sync>;
+/// Told that a graph's schedule stopped on a host: (actor, why).
+pub(crate) type FaultCallback = Arc<dyn Fn(&str, &str) + Send + Sync>;
 
 struct Host {
     info: HostInfo,
+    /// Where its data port is reached.
+    data: SocketAddr,
     /// The writing side of the connection (heartbeats, requests, shutdown); one writer at a
     /// time, so that frames never interleave.
     stream: Arc<Mutex<TcpStream>>,
@@ -33,10 +38,14 @@ struct Host {
 struct State {
     hosts: Vec<Host>,
     next_id: u64,
+    /// Live graphs across hosts, told when one of their schedules stops on its own.
+    faults: HashMap<u64, FaultCallback>,
 }
 
 pub(crate) struct ClusterDriver {
     addr: SocketAddr,
+    /// The driver's host's data port (network channels that end here).
+    data: Arc<DataPlane>,
     opts: ClusterOptions,
     state: Mutex<State>,
     /// Signalled when a host joins or is lost.
@@ -63,12 +72,17 @@ impl ClusterDriver {
         listener
             .set_nonblocking(true)
             .map_err(|e| Error::io("setting up the listener", e))?;
+        let data_bind = SocketAddr::new(addr.ip(), 0);
+        let data = DataPlane::start(data_bind, opts.token.as_bytes())
+            .map_err(|e| Error::io(format!("listening for data connections on {data_bind}"), e))?;
         let driver = Arc::new(ClusterDriver {
             addr,
+            data,
             opts,
             state: Mutex::new(State {
                 hosts: Vec::new(),
                 next_id: 1,
+                faults: HashMap::new(),
             }),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -100,6 +114,47 @@ impl ClusterDriver {
 
     pub(crate) fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// `on_fault` hears of graph `graph`'s schedules that stop on their own on other hosts,
+    /// until [`forget_graph`](Self::forget_graph).
+    pub(crate) fn on_fault(&self, graph: u64, on_fault: FaultCallback) {
+        self.state.lock().faults.insert(graph, on_fault);
+    }
+
+    pub(crate) fn forget_graph(&self, graph: u64) {
+        self.state.lock().faults.remove(&graph);
+    }
+
+    fn fault(&self, host: u64, graph: u64, actor: String, reason: String) {
+        let Some(cb) = self.state.lock().faults.get(&graph).cloned() else {
+            return;
+        };
+        let why = format!("on {}: {reason}", self.describe_host(host));
+        // Off the host's reader thread, as deaths are.
+        let _ = std::thread::Builder::new()
+            .name(format!("adag-fault-{graph}"))
+            .spawn(move || cb(&actor, &why));
+    }
+
+    /// The driver's host's data port.
+    pub(crate) fn data(&self) -> &Arc<DataPlane> {
+        &self.data
+    }
+
+    /// Where each host's data port is reached, by host id (0: the driver's, whose address
+    /// may be unspecified: each host then uses the address it reaches the driver at).
+    pub(crate) fn data_addrs(&self) -> Vec<(u64, SocketAddr)> {
+        let mut all = vec![(0, self.data.addr())];
+        all.extend(
+            self.state
+                .lock()
+                .hosts
+                .iter()
+                .filter(|h| h.lost.is_none())
+                .map(|h| (h.info.id, h.data)),
+        );
+        all
     }
 
     /// The hosts that joined and are not lost, in joining order.
@@ -266,7 +321,15 @@ impl ClusterDriver {
                 .and_then(|h| h.deaths.remove(&actor))
         };
         if let Some(cb) = callback {
-            cb(reason);
+            // Not on this host's reader thread: what the callback does (tearing a graph down)
+            // sends requests to this host, whose replies that thread must read.
+            let reason = reason.to_string();
+            let spawned = std::thread::Builder::new()
+                .name(format!("adag-death-{actor}"))
+                .spawn(move || cb(&reason));
+            if let Err(e) = spawned {
+                tracing::error!(actor, error = %e, "no thread to report a death");
+            }
         }
     }
 
@@ -307,8 +370,20 @@ impl ClusterDriver {
         }
         drop(state);
         self.changed.notify_all();
-        for cb in deaths {
-            cb(&reason);
+        if deaths.is_empty() {
+            return;
+        }
+        // Off the caller's thread (a host's reader, the heartbeat thread): tearing a graph
+        // down takes time and sends requests to other hosts.
+        let spawned = std::thread::Builder::new()
+            .name(format!("adag-lost-{id}"))
+            .spawn(move || {
+                for cb in deaths {
+                    cb(&reason);
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(host = id, error = %e, "no thread to report a lost host");
         }
     }
 
@@ -328,6 +403,11 @@ impl ClusterDriver {
                 cores: hello.cores,
                 pid: hello.pid,
             };
+            let data = if hello.data.ip().is_unspecified() {
+                SocketAddr::new(peer.ip(), hello.data.port())
+            } else {
+                hello.data
+            };
             wire::write_frame(
                 &mut stream,
                 &ToAgent::Welcome {
@@ -341,6 +421,7 @@ impl ClusterDriver {
             tracing::info!(host = id, name = %info.name, %peer, cores = info.cores, "host joined");
             state.hosts.push(Host {
                 info,
+                data,
                 stream: Arc::new(Mutex::new(stream.try_clone()?)),
                 lost: None,
                 pending: HashMap::new(),
@@ -366,6 +447,15 @@ impl ClusterDriver {
                         Ok(ToDriver::Died { actor, reason }) => {
                             if let Some(d) = weak.upgrade() {
                                 d.died(id, actor, &reason);
+                            }
+                        }
+                        Ok(ToDriver::GraphFault {
+                            graph,
+                            actor,
+                            reason,
+                        }) => {
+                            if let Some(d) = weak.upgrade() {
+                                d.fault(id, graph, actor, reason);
                             }
                         }
                         Err(WireError::Io(e))
@@ -402,6 +492,7 @@ fn lost_text(h: &Host, why: &str) -> String {
 impl Drop for ClusterDriver {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+        self.data.stop();
         let state = self.state.lock();
         for h in state.hosts.iter().filter(|h| h.lost.is_none()) {
             let mut stream = h.stream.lock();

@@ -22,7 +22,27 @@ impl LocalHosts {
         for i in 0..count {
             hosts
                 .children
-                .push(spawn(addr, token, &format!("local-{i}"))?);
+                .push(spawn(addr, token, &format!("local-{i}"), Vec::new())?);
+        }
+        Ok(hosts)
+    }
+
+    /// Start one host per entry of `env`, named `local-0`, `local-1`, ..., each with the
+    /// extra environment variables of its entry (where its data port listens and what it
+    /// advertises, [`ENV_DATA_ADDR`](super::ENV_DATA_ADDR) and
+    /// [`ENV_DATA_ADVERTISE`](super::ENV_DATA_ADVERTISE), say).
+    pub fn start_with_env(
+        addr: SocketAddr,
+        token: &str,
+        env: Vec<Vec<(String, String)>>,
+    ) -> Result<LocalHosts> {
+        let mut hosts = LocalHosts {
+            children: Vec::new(),
+        };
+        for (i, vars) in env.into_iter().enumerate() {
+            hosts
+                .children
+                .push(spawn(addr, token, &format!("local-{i}"), vars)?);
         }
         Ok(hosts)
     }
@@ -60,9 +80,10 @@ impl LocalHosts {
     }
 }
 
-fn spawn(addr: SocketAddr, token: &str, name: &str) -> Result<Child> {
+fn spawn(addr: SocketAddr, token: &str, name: &str, vars: Vec<(String, String)>) -> Result<Child> {
     let exe = std::env::current_exe().map_err(|e| Error::io("finding this executable", e))?;
     Command::new(exe)
+        .envs(vars)
         .env(ENV_JOIN, addr.to_string())
         .env(ENV_TOKEN, token)
         .env(ENV_HOST_NAME, name)

@@ -31,11 +31,12 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 pub(crate) mod agent;
+pub(crate) mod data;
 pub(crate) mod driver;
 mod launch;
 pub(crate) mod wire;
 
-pub use agent::EXIT_JOIN_FAILED;
+pub use agent::{ENV_DATA_ADDR, ENV_DATA_ADVERTISE, EXIT_JOIN_FAILED};
 pub use launch::LocalHosts;
 
 /// The driver's address, `host:port`, in a joining host's environment.

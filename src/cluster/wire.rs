@@ -7,7 +7,7 @@
 //! agent  → driver   MAGIC (8) | version (u32 LE) | nonce_a (32)
 //! driver → agent    nonce_b (32) | HMAC-SHA256(secret, "adag-join driver" | nonce_a | nonce_b)
 //! agent  → driver   HMAC-SHA256(secret, "adag-join agent" | nonce_a | nonce_b)
-//! agent  → driver   frame: Hello { name, cores, pid }
+//! agent  → driver   frame: Hello { name, cores, pid, data port }
 //! driver → agent    frame: Welcome { host, heartbeat } or Refused { reason }
 //! ```
 //!
@@ -26,7 +26,7 @@ use std::time::Duration;
 /// The first bytes of every join.
 pub(crate) const MAGIC: &[u8; 8] = b"adagjoin";
 /// The protocol's version; a different one is refused with a message naming both.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// How long each side waits for the other's part of the handshake.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest frame read before the peer is authenticated: the join is small.
@@ -44,6 +44,9 @@ pub(crate) struct Hello {
     pub name: String,
     pub cores: usize,
     pub pid: u32,
+    /// Where the host's data port is reached (an unspecified address: at the address the
+    /// driver sees the agent connect from, on this port).
+    pub data: std::net::SocketAddr,
 }
 
 /// What the driver asks of a host's agent.
@@ -66,6 +69,11 @@ pub(crate) enum AgentRequest {
     Kill { actor: u64 },
     /// The driver holds no handle of the actor any more: stop its worker.
     Release { actor: u64 },
+    /// Install this host's part of graph `graph` (encoded by the runtime, opaque here);
+    /// answered once every actor there installed its schedule.
+    Install { graph: u64, part: Vec<u8> },
+    /// Close graph `graph` on this host; answered once its actors there stopped their loops.
+    CloseGraph { graph: u64 },
 }
 
 /// What an agent answers.
@@ -125,6 +133,13 @@ pub(crate) enum ToDriver {
     /// Actor `actor`'s worker died.
     Died {
         actor: u64,
+        reason: String,
+    },
+    /// Actor `actor`'s schedule of graph `graph` stopped before the driver closed the graph
+    /// (a connection of the graph broke): the graph is over.
+    GraphFault {
+        graph: u64,
+        actor: String,
         reason: String,
     },
 }

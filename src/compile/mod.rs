@@ -279,12 +279,27 @@ fn label(n: &NodeInner, dag: &DagInner) -> String {
 }
 
 fn place_of(loc: Loc, actors: &BTreeMap<u64, ActorRef>) -> Place {
-    let process = match loc {
-        Loc::Driver => 0,
-        Loc::Actor(id) => actors.get(&id).map_or(0, |a| a.process()),
-    };
-    Place { process }
+    match loc {
+        Loc::Driver => Place {
+            host: 0,
+            process: 0,
+        },
+        Loc::Actor(id) => actors.get(&id).map_or(
+            Place {
+                host: 0,
+                process: 0,
+            },
+            |a| Place {
+                host: a.host(),
+                process: a.process(),
+            },
+        ),
+    }
 }
+
+/// The id of the next network channel of a graph: apart from node ids (which the channels of
+/// the other kinds take), since an edge has one network channel per reading host.
+const NETWORK_CHANNEL_IDS: u64 = 1 << 48;
 
 fn build_plan(
     nodes: &BTreeMap<u64, Arc<NodeInner>>,
@@ -309,7 +324,20 @@ fn build_plan(
         readers.entry(out.id).or_default().insert(Loc::Driver);
     }
     let comm = comms::resolve(nodes, &readers, &actors, &opts.default_communicator)?;
+    for g in &comm.groups {
+        if let Some(a) = g.actors.iter().find(|a| a.host() != 0) {
+            return Err(Error::compile(
+                g.users.first().cloned().unwrap_or_default(),
+                format!(
+                    "its communicator group includes actor {} on host {}, and communicators span only the driver's host; move the tensor through a channel (the default transport) or place the group's actors on the driver's host",
+                    a.name(),
+                    a.host()
+                ),
+            ));
+        }
+    }
     let mut edges = BTreeMap::new();
+    let mut next_network = NETWORK_CHANNEL_IDS;
     for (id, n) in nodes {
         let writer = loc_of(n);
         let wplace = place_of(writer, &actors);
@@ -320,13 +348,23 @@ fn build_plan(
                 same_actor = true;
                 continue;
             }
-            let kind = ChannelKind::between(wplace, place_of(*r, &actors));
-            match channels.iter_mut().find(|c| c.kind == kind) {
+            let rplace = place_of(*r, &actors);
+            let kind = ChannelKind::between(wplace, rplace);
+            match channels
+                .iter_mut()
+                .find(|c| c.kind == kind && c.host == rplace.host)
+            {
                 Some(c) => c.readers.push(*r),
                 None => channels.push(ChannelPlan {
-                    id: *id,
+                    id: if kind == ChannelKind::Network {
+                        next_network += 1;
+                        next_network
+                    } else {
+                        *id
+                    },
                     kind,
                     readers: vec![*r],
+                    host: rplace.host,
                 }),
             }
         }
@@ -443,6 +481,11 @@ fn build_plan(
         inputs,
         outputs: outputs.iter().map(|o| o.id).collect(),
         comm_groups: comm.groups.iter().map(|g| g.sends).collect(),
+        hosts: actors
+            .values()
+            .filter(|a| a.host() != 0)
+            .map(|a| (a.id(), a.host()))
+            .collect(),
     };
     schedule::finish(&mut plan, opts.overlap_gpu_communication)?;
     Ok((plan, comm))

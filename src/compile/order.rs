@@ -208,6 +208,7 @@ mod tests {
             inputs: vec![],
             outputs: vec![],
             comm_groups: vec![sends],
+            hosts: Default::default(),
         }
     }
 

@@ -34,13 +34,20 @@ pub(crate) enum ChannelKind {
     InProcess,
     /// Readers in other processes of the writer's host: one shared-memory ring for all.
     SharedMemory,
+    /// Readers on another host: one TCP connection per reading host. One reader there reads
+    /// the connection itself; several share one shared-memory ring there, which that host's
+    /// agent (the driver, on the driver's host) fills from the connection (one copy over the
+    /// network per host).
+    Network,
 }
 
 impl ChannelKind {
     /// The kind of channel from a writer to a reader on another actor (or the driver), by
     /// where each lives: the only place that chooses a kind.
     pub(crate) fn between(writer: Place, reader: Place) -> ChannelKind {
-        if writer.process == reader.process {
+        if writer.host != reader.host {
+            ChannelKind::Network
+        } else if writer.process == reader.process {
             ChannelKind::InProcess
         } else {
             ChannelKind::SharedMemory
@@ -48,19 +55,31 @@ impl ChannelKind {
     }
 }
 
-/// Where an endpoint runs: which process (0 = the driver's).
+/// Where an endpoint runs: which host (0 = the driver's) and which process (0 = the
+/// driver's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub(crate) struct Place {
+    pub host: u64,
     pub process: u64,
 }
 
 /// One channel of an edge: its kind and its readers, in reader order.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct ChannelPlan {
-    /// The channel's identity among the channels of its kind in one graph.
+    /// The channel's identity among the channels of one graph.
     pub id: u64,
     pub kind: ChannelKind,
     pub readers: Vec<Loc>,
+    /// The host its readers run on.
+    pub host: u64,
+}
+
+impl ChannelPlan {
+    /// A network channel whose readers on its host share a ring that the host fills from
+    /// the connection (rather than one reader reading the connection itself).
+    pub(crate) fn relayed(&self) -> bool {
+        self.kind == ChannelKind::Network && self.readers.len() > 1
+    }
 }
 
 impl EdgePlan {
@@ -74,9 +93,11 @@ impl EdgePlan {
         self.channels.iter().flat_map(|c| c.readers.iter())
     }
 
-    /// The channel of `kind`, if the edge has one.
-    pub(crate) fn channel(&self, kind: ChannelKind) -> Option<&ChannelPlan> {
-        self.channels.iter().find(|c| c.kind == kind)
+    /// The edge's network channels (one per reading host).
+    pub(crate) fn network_channels(&self) -> impl Iterator<Item = &ChannelPlan> {
+        self.channels
+            .iter()
+            .filter(|c| c.kind == ChannelKind::Network)
     }
 
     /// The channel that `reader` reads, and its index among that channel's readers.
@@ -192,9 +213,25 @@ pub(crate) struct GraphPlan {
     /// How the sends of each communicator group complete, by group index (`group` of
     /// `Recv`, `Send` and `Collective`): the schedule and the deadlock check depend on it.
     pub comm_groups: Vec<crate::comm::SendCompletion>,
+    /// The host of each actor on another host than the driver's, by actor id (absent: the
+    /// driver's host, 0).
+    pub hosts: BTreeMap<u64, u64>,
 }
 
 impl GraphPlan {
+    /// The host an endpoint runs on.
+    pub(crate) fn host_of(&self, loc: Loc) -> u64 {
+        match loc {
+            Loc::Driver => 0,
+            Loc::Actor(id) => self.hosts.get(&id).copied().unwrap_or(0),
+        }
+    }
+
+    /// The hosts other than the driver's that run a part of the graph.
+    pub(crate) fn remote_hosts(&self) -> std::collections::BTreeSet<u64> {
+        self.hosts.values().copied().collect()
+    }
+
     pub(crate) fn edge(&self, id: u64) -> Result<&EdgePlan, String> {
         self.edges
             .get(&id)

@@ -743,6 +743,7 @@ mod tests {
                     id,
                     kind: ChannelKind::InProcess,
                     readers: readers.iter().map(|r| Loc::Actor(*r)).collect(),
+                    host: 0,
                 }],
             },
         )
@@ -790,6 +791,7 @@ mod tests {
             inputs: vec![],
             outputs: vec![],
             comm_groups: vec![SendCompletion::Rendezvous],
+            hosts: Default::default(),
         }
     }
 

@@ -28,6 +28,8 @@ pub(crate) trait ActorInfo: Any + Send + Sync {
     fn device(&self) -> Device;
     /// The process the actor runs in: 0 for the driver's own, else a number of its own.
     fn process(&self) -> u64;
+    /// The host the actor runs on: 0 for the driver's, else the id the host joined with.
+    fn host(&self) -> u64;
 }
 
 /// An actor as a graph refers to it. Made from a spawned actor's handle:
@@ -65,6 +67,10 @@ impl ActorRef {
 
     pub(crate) fn process(&self) -> u64 {
         self.0.process()
+    }
+
+    pub(crate) fn host(&self) -> u64 {
+        self.0.host()
     }
 
     /// The actor behind the graph's view, for the runtime to recover its own type.

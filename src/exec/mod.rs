@@ -10,6 +10,7 @@ use crate::compile::{CompileOptions, Planned, deadline_after};
 use crate::error::{Capacity, Error, Result};
 use crate::value::Value;
 use crossbeam_channel::Receiver;
+use hosts::RemoteParts;
 use parking_lot::{Condvar, Mutex};
 use std::any::Any;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -21,6 +22,7 @@ use std::time::{Duration, Instant};
 
 mod comms;
 mod gather;
+mod hosts;
 mod input;
 mod output;
 mod pipeline;
@@ -144,6 +146,8 @@ pub(crate) struct GraphShared<I> {
     obs: stats::Observers,
     /// Submitters waiting for room (`execute_wait`, `execute_async_wait`).
     submit_waiters: wait::SubmitWaiters,
+    /// The graph's parts on other hosts, if it has any.
+    remote: Option<RemoteParts>,
 }
 
 /// A compiled graph: execute it many times, then tear it down (also on drop).
@@ -250,6 +254,11 @@ pub(crate) fn release_actors(actors: &[HandleCore], graph: u64) {
     }
 }
 
+/// How long a get that found a channel from another host closed waits for the report of
+/// why (a lost host: up to the heartbeat timeout after the connection broke is not waited
+/// for; a closed connection is reported at once).
+const REPORT_GRACE: Duration = Duration::from_secs(2);
+
 fn start<I: Value>(
     planned: Planned,
     actors: Vec<HandleCore>,
@@ -268,11 +277,33 @@ fn start<I: Value>(
         spin: opts.spin,
     };
     let chans =
-        Arc::new(GraphChannels::create(&plan, &sizes).inspect_err(|_| comms.destroy_all())?);
+        Arc::new(GraphChannels::create(&plan, &sizes, 0).inspect_err(|_| comms.destroy_all())?);
     let io = DriverIo {
         chans: chans.clone(),
     };
     let obs = stats::Observers::new(plan.clone(), &actors, opts.timeline);
+    // Other hosts install their parts first (each connects the network channels it writes,
+    // then waits for those it reads), while this host does the same.
+    let remote = RemoteParts::start(&plan, &actors, &sizes, obs.timeline);
+    let fail_early = |e: Error| {
+        comms.destroy_all();
+        chans.close_all();
+        if let Some(r) = &remote {
+            r.close(plan.graph);
+        }
+        e
+    };
+    if let Some(r) = &remote {
+        chans
+            .connect_network(
+                &plan,
+                0,
+                r.cluster.data(),
+                &r.cluster.data_addrs().into_iter().collect(),
+                Instant::now() + crate::actor::remote::INSTALL_TIMEOUT,
+            )
+            .map_err(&fail_early)?;
+    }
     // Actors first: they take their ends of the channels.
     let mut done = Vec::new();
     let mut installing = Vec::new();
@@ -292,14 +323,13 @@ fn start<I: Value>(
                     }))
                     .map_err(|_| Error::compile(actor.name(), "the actor's thread has stopped"))
             }),
-            ActorLink::Remote(link) => Err(Error::compile(
-                actor.name(),
-                format!(
-                    "actor {} runs on host {}, and graphs across hosts are not built yet (docs/multi-host.md); place the graph's actors on this host (Placement::Thread or Placement::Process) and use one-off calls for actors on other hosts",
-                    actor.name(),
-                    link.host()
-                ),
-            )),
+            // Installed by its host's agent (above); told done when its host closed the graph.
+            ActorLink::Remote(link) => {
+                if let Some(r) = &remote {
+                    r.waiting(link.host(), installed, done_tx);
+                }
+                Ok(())
+            }
             ActorLink::Process(link) => comms.tickets(actor).and_then(|tickets| {
                 link.install(
                     actor.id(),
@@ -314,18 +344,12 @@ fn start<I: Value>(
         };
         if let Err(e) = sent {
             // The actors already started wake and stop.
-            comms.destroy_all();
-            chans.close_all();
-            return Err(e);
+            return Err(fail_early(e));
         }
         done.push((actor.name().to_string(), done_rx));
         installing.push((actor.clone(), installed_rx));
     }
-    let fail = |e: Error| {
-        comms.destroy_all();
-        chans.close_all();
-        e
-    };
+    let fail = |e: Error| fail_early(e);
     let install_deadline = Instant::now() + Duration::from_secs(30);
     for (actor, rx) in &installing {
         let name = actor.name();
@@ -342,7 +366,8 @@ fn start<I: Value>(
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
                 let died = match &actor.0.link {
                     ActorLink::Process(link) => link.death_within(Duration::from_millis(500)),
-                    ActorLink::Thread(_) | ActorLink::Remote(_) => None,
+                    ActorLink::Remote(link) => link.died(),
+                    ActorLink::Thread(_) => None,
                 };
                 return Err(fail(died.unwrap_or_else(|| {
                     Error::compile(name, "the actor stopped before it installed its schedule")
@@ -429,11 +454,23 @@ fn start<I: Value>(
         comms,
         obs,
         submit_waiters: wait::SubmitWaiters::new(),
+        remote,
     });
     if shared.opts.enable_asyncio {
         pump::start(&shared).inspect_err(|_| {
             let _ = shared.teardown_with(Some("the async result pump could not start".into()));
         })?;
+    }
+    if let Some(r) = &shared.remote {
+        let weak = Arc::downgrade(&shared);
+        r.cluster.on_fault(
+            shared.id,
+            Arc::new(move |actor: &str, why: &str| {
+                if let Some(g) = weak.upgrade() {
+                    g.schedule_stopped(actor, why);
+                }
+            }),
+        );
     }
     let sink: Arc<dyn DeathSink> = shared.clone();
     crate::actor::worker::graphs()
@@ -466,6 +503,28 @@ impl<I: Value> DeathSink for GraphShared<I> {
     }
 }
 
+impl<I: Value> GraphShared<I> {
+    /// An actor's schedule stopped on another host before the graph was closed (one of its
+    /// connections broke): the graph is over.
+    fn schedule_stopped(&self, actor: &str, why: &str) {
+        tracing::warn!(
+            graph = self.id,
+            actor,
+            why,
+            "a schedule stopped: tearing the graph down"
+        );
+        let fault = Error::TornDown {
+            reason: Some(format!(
+                "the schedule of actor {actor} stopped {why}; a connection between hosts broke or a host stalled; compile the graph again"
+            )),
+        };
+        let _ = self.teardown_inner(
+            Some(format!("actor {actor}'s schedule stopped")),
+            Some(fault),
+        );
+    }
+}
+
 impl<I: Value> crate::dag::Liveness for GraphShared<I> {
     fn is_live(&self) -> bool {
         !self.torn.load(Ordering::Acquire)
@@ -476,13 +535,22 @@ impl<I: Value> GraphShared<I> {
     /// `e`, once the teardown a death started has released the actors (an explicit teardown
     /// releases them before `teardown()` returns; a get it wakes does not wait for it).
     fn settled(&self, e: Error) -> Error {
-        if matches!(e, Error::ActorDied { .. }) {
+        if matches!(e, Error::ActorDied { .. } | Error::TornDown { .. }) {
             self.settle();
         }
         e
     }
 
     fn closed_error(&self) -> Error {
+        if self.remote.is_some() && !self.torn.load(Ordering::Acquire) {
+            // A channel from another host closed before this graph was torn down: that host
+            // was lost or a schedule there stopped, and the report of it (which tears the
+            // graph down, naming the cause) is on its way. Wait for it, bounded.
+            let until = Instant::now() + REPORT_GRACE;
+            while !self.torn.load(Ordering::Acquire) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
         if let Some(d) = self.death.lock().clone() {
             return d;
         }
@@ -809,6 +877,11 @@ impl<I: Value> GraphShared<I> {
         *self.torn_reason.lock() = reason;
         // Closing first wakes any get blocked on a channel, so the locks below come free.
         self.chans.close_all();
+        // Other hosts close their parts (their actors there are told done when they did).
+        if let Some(r) = &self.remote {
+            r.cluster.forget_graph(self.id);
+            r.close(self.id);
+        }
         // Destroying the communicator groups wakes every actor blocked in one.
         self.comms.destroy_all();
         {
@@ -1009,7 +1082,11 @@ impl<I: Value> RefOwner for GraphShared<I> {
     }
 
     fn settle(&self) {
-        drop(self.teardown_lock.lock());
+        // Only a teardown that a death or a fault started: a get woken by an explicit
+        // teardown must not wait for it (it may wait for a slow method).
+        if self.death.lock().is_some() {
+            drop(self.teardown_lock.lock());
+        }
     }
 
     fn wait_ready(&self, exec: u64, output: usize, timeout: Option<Duration>) -> Result<bool> {

@@ -33,10 +33,10 @@ struct RefInner {
 }
 
 impl RefInner {
-    /// `e`, once the teardown a death started has released the graph's actors (see
-    /// [`RefOwner::settle`]).
+    /// `e`, once the teardown a death or a fault started has released the graph's actors
+    /// (see [`RefOwner::settle`]).
     fn settled(&self, e: Error) -> Error {
-        if matches!(e, Error::ActorDied { .. }) {
+        if matches!(e, Error::ActorDied { .. } | Error::TornDown { .. }) {
             self.owner.settle();
         }
         e

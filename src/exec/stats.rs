@@ -152,7 +152,8 @@ impl Observers {
                     }
                     self.last.lock().get(&a.id()).cloned()
                 }
-                // Graphs across hosts are refused for now: nothing to report.
+                // Not collected from other hosts (docs/multi-host.md, limits): the driver's
+                // own counters still count what crosses to and from them.
                 ActorLink::Remote(_) => None,
             })
             .collect()

@@ -18,6 +18,7 @@ fn kind_text(e: &EdgePlan, reader: Loc) -> &'static str {
     match e.read_by(reader).map(|(c, _)| c.kind) {
         Some(ChannelKind::InProcess) => "in-memory",
         Some(ChannelKind::SharedMemory) | None => "shared memory",
+        Some(ChannelKind::Network) => "network",
     }
 }
 

@@ -279,6 +279,51 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
     Ok(total)
 }
 
+/// A frame encoded for a stream (the network): its head (header, body and table) in one
+/// buffer, and its attachments where they already are, each after the zero padding that
+/// aligns it. Written in order they are the bytes [`encode`] would place in a slot; nothing
+/// large is copied to build it.
+pub(crate) struct Gathered {
+    pub head: Vec<u8>,
+    /// (padding before it, the attachment).
+    pub attachments: Vec<(usize, Bytes)>,
+    pub total: usize,
+}
+
+/// Encodes `value` as a [`Gathered`] frame.
+pub(crate) fn encode_gathered<T: Serialize + ?Sized>(value: &T) -> Result<Gathered, EncodeError> {
+    let _ = super::take_serialize_failure();
+    let scope = Scope::open(&ENCODING, Vec::new());
+    let head = postcard::to_extend(value, vec![0u8; HEADER]).map_err(EncodeError::failed)?;
+    let attachments = scope.take();
+    drop(scope);
+    let body = head.len() - HEADER;
+    let mut head = head;
+    head[..8].copy_from_slice(&(body as u64).to_le_bytes());
+    head[8..HEADER].copy_from_slice(&(attachments.len() as u64).to_le_bytes());
+    let mut offsets = Vec::with_capacity(attachments.len());
+    let total = place(body, &attachments, |_, offset| offsets.push(offset));
+    for (data, offset) in attachments.iter().zip(&offsets) {
+        head.extend_from_slice(&(*offset as u64).to_le_bytes());
+        head.extend_from_slice(&(data.len() as u64).to_le_bytes());
+    }
+    let mut end = head.len();
+    let attachments = attachments
+        .into_iter()
+        .zip(offsets)
+        .map(|(data, offset)| {
+            let pad = offset - end;
+            end = offset + data.len();
+            (pad, data)
+        })
+        .collect();
+    Ok(Gathered {
+        head,
+        attachments,
+        total,
+    })
+}
+
 /// `dst.copy_from_slice(src)`, on several threads for a large copy. The threads are scoped:
 /// joined before this returns (so the copy happens before the caller publishes it), and none
 /// outlives the call.

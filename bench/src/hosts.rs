@@ -1,0 +1,225 @@
+//! Cross-host rows: the same workloads with actors on other hosts (separate process trees on
+//! this machine, joined over loopback, so that every edge between hosts is a TCP channel),
+//! and the floor they are measured against: raw loopback TCP ping-pong and echo of the same
+//! bytes, measured by this binary in the same run.
+use super::{Bench, pipelined, timed};
+use adag::cluster::{ClusterOptions, HostInfo, LocalHosts};
+use adag::{Buffer, CompileOptions, Placement, RefSet};
+use adag_bench::{Stage, chain, fanout, payload_echo};
+use anyhow::{Context, Result, ensure};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+const SECRET: &str = "adag-bench-hosts";
+const PLACEMENT: &str = "hosts";
+
+impl Bench {
+    /// Every cross-host workload, with three hosts joined for the run.
+    pub(super) fn hosts(&mut self) -> Result<()> {
+        let keys: Vec<String> = [
+            "tcp_pingpong/raw",
+            "tcp_echo_1MiB/raw",
+            "tcp_echo_100MiB/raw",
+            "echo/hosts",
+            "chain3/hosts",
+            "chain3_pipe16/hosts",
+            "fanout3/hosts",
+            "payload_1MiB/hosts",
+            "payload_100MiB/hosts",
+        ]
+        .map(String::from)
+        .to_vec();
+        if !self.wants_any(&keys) {
+            return Ok(());
+        }
+        self.raw_tcp()?;
+        if !self.wants_any(&keys[3..]) {
+            return Ok(());
+        }
+        let addr = self.rt.listen(ClusterOptions::new(SECRET))?;
+        let _hosts = LocalHosts::start(3, addr, SECRET)?;
+        let mut h = self.rt.wait_for_hosts(3, Duration::from_secs(60))?;
+        h.sort_by(|a, b| a.name.cmp(&b.name));
+        let spawn = |host: &HostInfo, k: u64| {
+            self.rt
+                .spawn::<Stage>(Placement::Host(host.id), k)
+                .with_context(|| format!("spawning a stage on {}", host.name))
+        };
+        let stages = [spawn(&h[0], 1)?, spawn(&h[1], 1)?, spawn(&h[2], 1)?];
+        let echo = spawn(&h[0], 0)?;
+        if self.wants("echo/hosts") {
+            let g = chain(std::slice::from_ref(&echo), self.opts.clone())?;
+            let n = self.counts.sync;
+            let m = timed(self.counts.warmup(n), n, |i| {
+                let v = g.execute(i)?.get()?;
+                ensure!(v == i, "echo returned {v} for {i}");
+                Ok(())
+            })?;
+            g.teardown()?;
+            self.push(m.row("echo", PLACEMENT, "actor on another host; 2 TCP hops"));
+        }
+        if self.wants("chain3/hosts") {
+            let g = chain(&stages, self.opts.clone())?;
+            let n = self.counts.sync;
+            let m = timed(self.counts.warmup(n), n, |i| {
+                let v = g.execute(i)?.get()?;
+                ensure!(v == i + 3, "chain returned {v} for {i}");
+                Ok(())
+            })?;
+            g.teardown()?;
+            self.push(m.row(
+                "chain3",
+                PLACEMENT,
+                "one actor on each of 3 hosts; 4 TCP hops",
+            ));
+        }
+        if self.wants("chain3_pipe16/hosts") {
+            let g = chain(&stages, self.opts.clone().max_inflight_executions(16))?;
+            let n = self.counts.pipelined;
+            let m = pipelined(&g, 16, self.counts.warmup(n), n, |i, r| {
+                let v = r.get()?;
+                ensure!(v == i + 3, "chain returned {v} for {i}");
+                Ok(())
+            })?;
+            g.teardown()?;
+            self.push(m.row("chain3_pipe16", PLACEMENT, "16 in flight over 3 hosts"));
+        }
+        if self.wants("fanout3/hosts") {
+            let g = fanout(&stages, self.opts.clone())?;
+            let n = self.counts.sync;
+            let m = timed(self.counts.warmup(n), n, |i| {
+                let v = g.execute(i)?.get()?;
+                ensure!(v.iter().all(|&x| x == i + 1), "fan-out returned {v:?}");
+                Ok(())
+            })?;
+            g.teardown()?;
+            self.push(m.row("fanout3", PLACEMENT, "input to an actor on each of 3 hosts"));
+        }
+        for (name, size) in [("1MiB", 1usize << 20), ("100MiB", 100 << 20)] {
+            let key = format!("payload_{name}/{PLACEMENT}");
+            if !self.wants(&key) {
+                continue;
+            }
+            let opts = CompileOptions::default()
+                .buffer_size_bytes(size + 64)
+                .max_inflight_executions(2);
+            let g = payload_echo(&echo, opts)?;
+            let n = self.counts.payload(size);
+            let mut buf = Some(Buffer::from(vec![0xa5; size]));
+            let m = timed(self.counts.warmup(n).min(n), n, |_| {
+                let out = g.execute(buf.take().expect("buffer is back"))?.get()?;
+                ensure!(
+                    out.len() == size,
+                    "echo of {size} bytes returned {}",
+                    out.len()
+                );
+                buf = Some(out);
+                Ok(())
+            })?;
+            g.teardown()?;
+            let mut row = m.row(&format!("payload_{name}"), PLACEMENT, String::new());
+            let gbps = size as f64 / (m.p50_us() * 1e-6) / 1e9;
+            row.gb_per_s = Some(gbps);
+            row.note = format!("{gbps:.2} GB/s (size / p50 round trip, actor on another host)");
+            self.push(row);
+        }
+        Ok(())
+    }
+
+    /// The floor: a loopback TCP connection to a thread of this process that echoes what it
+    /// reads (`TCP_NODELAY`, both ends polling without sleeping, as adag's channels spin).
+    fn raw_tcp(&mut self) -> Result<()> {
+        let sizes = [
+            ("tcp_pingpong", 8usize),
+            ("tcp_echo_1MiB", 1 << 20),
+            ("tcp_echo_100MiB", 100 << 20),
+        ];
+        for (name, size) in sizes {
+            let key = format!("{name}/raw");
+            if !self.wants(&key) {
+                continue;
+            }
+            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let mut client = TcpStream::connect(listener.local_addr()?)?;
+            let (mut server, _) = listener.accept()?;
+            for s in [&client, &server] {
+                s.set_nodelay(true)?;
+                s.set_nonblocking(true)?;
+            }
+            let n = if size <= 8 {
+                self.counts.sync
+            } else {
+                self.counts.payload(size)
+            };
+            let warmup = self.counts.warmup(n).min(n);
+            let total = warmup + n;
+            let echo = std::thread::spawn(move || -> std::io::Result<()> {
+                let mut buf = vec![0u8; size];
+                for _ in 0..total {
+                    spin_read(&mut server, &mut buf)?;
+                    spin_write(&mut server, &buf)?;
+                }
+                Ok(())
+            });
+            let mut buf = vec![0x5au8; size];
+            let m = timed(warmup, n, |_| {
+                spin_write(&mut client, &buf)?;
+                spin_read(&mut client, &mut buf)?;
+                Ok(())
+            })?;
+            echo.join()
+                .map_err(|_| anyhow::anyhow!("the echo thread panicked"))??;
+            let mut row: super::Row = m.row(name, "raw", String::new());
+            if size > 8 {
+                let gbps = size as f64 / (m.p50_us() * 1e-6) / 1e9;
+                row.gb_per_s = Some(gbps);
+                row.note = format!(
+                    "{gbps:.2} GB/s (size / p50 round trip): the floor of payload_{}",
+                    &name[9..]
+                );
+            } else {
+                row.note = "8 bytes there and back: the floor of echo/hosts (2 hops)".into();
+            }
+            self.push(row);
+        }
+        Ok(())
+    }
+}
+
+fn spin_read(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
+    let mut at = 0;
+    let started = Instant::now();
+    while at < buf.len() {
+        match s.read(&mut buf[at..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if started.elapsed() > Duration::from_secs(30) {
+                    return Err(std::io::ErrorKind::TimedOut.into());
+                }
+                std::hint::spin_loop();
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn spin_write(s: &mut TcpStream, buf: &[u8]) -> std::io::Result<()> {
+    let mut at = 0;
+    let started = Instant::now();
+    while at < buf.len() {
+        match s.write(&buf[at..]) {
+            Ok(n) => at += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if started.elapsed() > Duration::from_secs(30) {
+                    return Err(std::io::ErrorKind::TimedOut.into());
+                }
+                std::hint::spin_loop();
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}

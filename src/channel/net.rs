@@ -1,0 +1,569 @@
+//! The network kind: a writer and its readers on different hosts, joined by one TCP
+//! connection (`TCP_NODELAY`) per reading host, with the contract of the shared-memory ring.
+//!
+//! Each message is a 16-byte header (the frame's length, u64 LE, then its tag) followed by a
+//! [frame](crate::value::frame) exactly as the ring holds it: the writer sends the frame's
+//! head and then each large attachment from where it already lies (one `writev`, nothing
+//! large copied); a reader receives the whole frame into one buffer and hands large payloads
+//! to the value in place. Several readers on one host get one copy over the network: the
+//! host's [`relay`] writes each frame straight into a shared-memory ring there, which they
+//! read like any other.
+//!
+//! - **Depth and back-pressure.** The driver admits at most `max_inflight_executions`
+//!   executions, so no edge ever carries more messages than that; the bytes in flight are
+//!   bounded by TCP's window: a reader that does not read stops its writer's sends.
+//! - **Waits.** A reader spins (non-blocking receives) up to its spin budget, then sleeps in
+//!   `poll` until data, the deadline, or a close: closing shuts the socket down, which wakes
+//!   both ends at once. A message is never cut: a write whose deadline passes before its first
+//!   byte fails with a timeout and sends nothing; once begun, it is finished (or the channel
+//!   closed). A read whose deadline passes keeps what arrived and resumes at the next read.
+//! - **Hostile peers.** A header naming a frame over the ceiling, or a frame that does not
+//!   decode, is a typed error: nothing is allocated past the ceiling and nothing panics.
+use super::shm::ShmWriter;
+use super::shm::{TAG_ERROR, TAG_VALUE};
+use super::wait::SpinPolicy;
+use super::{ChanError, ChannelReader, ChannelWriter, EndCounters, Msg, bump};
+use crate::error::TaskError;
+use crate::value::frame;
+use bytes::Bytes;
+use rustix::event::{PollFd, PollFlags, Timespec};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::io::{self, IoSlice, Read};
+use std::marker::PhantomData;
+use std::net::{Shutdown, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Bytes before each frame: its length (u64 LE), its tag, 7 reserved.
+pub(crate) const HEADER: usize = 16;
+const ZEROS: [u8; 64] = [0; 64];
+
+fn io_error(e: io::Error) -> ChanError {
+    match e.kind() {
+        io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::ConnectionAborted
+        | io::ErrorKind::NotConnected
+        | io::ErrorKind::UnexpectedEof => ChanError::Closed,
+        _ => ChanError::Codec(format!("the network connection failed: {e}")),
+    }
+}
+
+/// Sleeps until `stream` is ready for `events`, the deadline passes (`Err(Timeout)`) or the
+/// connection is shut down (returns, and the next operation on it says so).
+fn wait_ready(
+    stream: &TcpStream,
+    events: PollFlags,
+    deadline: Option<Instant>,
+) -> Result<(), ChanError> {
+    loop {
+        let timeout = match deadline {
+            None => None,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(ChanError::Timeout);
+                }
+                Some(Timespec::try_from(left).unwrap_or(Timespec {
+                    tv_sec: i64::MAX,
+                    tv_nsec: 0,
+                }))
+            }
+        };
+        let mut fds = [PollFd::new(stream, events)];
+        match rustix::event::poll(&mut fds, timeout.as_ref()) {
+            Ok(0) => continue, // the deadline is checked above
+            Ok(_) => return Ok(()),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(io_error(e.into())),
+        }
+    }
+}
+
+/// Writes all of `slices`; the deadline applies only until the first byte is out.
+fn write_all(
+    stream: &mut TcpStream,
+    mut slices: &mut [IoSlice<'_>],
+    deadline: Option<Instant>,
+) -> Result<(), ChanError> {
+    let mut begun = false;
+    while !slices.is_empty() {
+        // `MSG_NOSIGNAL`: a connection the peer reset is an error here, never a SIGPIPE that
+        // kills the process (a worker starts before Rust's runtime would ignore it).
+        let sent = rustix::net::sendmsg(
+            &*stream,
+            slices,
+            &mut rustix::net::SendAncillaryBuffer::default(),
+            rustix::net::SendFlags::NOSIGNAL,
+        );
+        match sent {
+            Ok(0) => return Err(ChanError::Closed),
+            Ok(n) => {
+                begun = true;
+                IoSlice::advance_slices(&mut slices, n);
+            }
+            Err(rustix::io::Errno::AGAIN) => {
+                wait_ready(stream, PollFlags::OUT, if begun { None } else { deadline })?;
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(io_error(e.into())),
+        }
+    }
+    Ok(())
+}
+
+/// Prepares a connected stream for a channel: non-blocking, no Nagle delay.
+pub(crate) fn prepare(stream: &TcpStream) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_nonblocking(true)
+}
+
+/// Shuts a channel's connection down: every end blocked on it wakes and sees it closed.
+pub(crate) fn shut(stream: &TcpStream) {
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// The writer's end of a network channel, for values of type `T`.
+pub(crate) struct NetTx<T> {
+    stream: TcpStream,
+    /// The ceiling of one message.
+    limit: usize,
+    counters: Option<Arc<EndCounters>>,
+    _t: PhantomData<fn(T)>,
+}
+
+impl<T> NetTx<T> {
+    pub(crate) fn new(stream: TcpStream, limit: usize) -> Self {
+        NetTx {
+            stream,
+            limit,
+            counters: None,
+            _t: PhantomData,
+        }
+    }
+
+    /// Count the bytes this end sends in `counters`.
+    pub(crate) fn counted(mut self, counters: Arc<EndCounters>) -> Self {
+        self.counters = Some(counters);
+        self
+    }
+
+    fn send<V: Serialize + ?Sized>(
+        &mut self,
+        tag: u8,
+        value: &V,
+        deadline: Option<Instant>,
+    ) -> Result<(), ChanError> {
+        let g = frame::encode_gathered(value).map_err(|e| match e {
+            frame::EncodeError::Failed(e) => ChanError::Codec(format!(
+                "cannot encode a value of type {}: {e}",
+                std::any::type_name::<V>()
+            )),
+            frame::EncodeError::TooSmall(n) => ChanError::TooLarge {
+                size: n,
+                limit: self.limit,
+            },
+        })?;
+        if g.total > self.limit {
+            return Err(ChanError::TooLarge {
+                size: g.total,
+                limit: self.limit,
+            });
+        }
+        let mut header = [0u8; HEADER];
+        header[..8].copy_from_slice(&(g.total as u64).to_le_bytes());
+        header[8] = tag;
+        let mut slices = Vec::with_capacity(2 + 2 * g.attachments.len());
+        slices.push(IoSlice::new(&header));
+        slices.push(IoSlice::new(&g.head));
+        for (pad, data) in &g.attachments {
+            if *pad > 0 {
+                slices.push(IoSlice::new(&ZEROS[..*pad]));
+            }
+            slices.push(IoSlice::new(data));
+        }
+        write_all(&mut self.stream, &mut slices, deadline)?;
+        if let Some(c) = &self.counters {
+            bump(&c.bytes, g.total as u64);
+        }
+        Ok(())
+    }
+}
+
+impl<T: Serialize> ChannelWriter<T> for NetTx<T> {
+    fn write(&mut self, msg: Msg<T>, deadline: Option<Instant>) -> Result<(), ChanError> {
+        match &msg {
+            Msg::Value(v) => self.send(TAG_VALUE, v, deadline),
+            Msg::Error(e) => self.send(TAG_ERROR, &**e, deadline),
+        }
+    }
+
+    fn write_ref(&mut self, value: &T, deadline: Option<Instant>) -> Result<(), ChanError> {
+        self.send(TAG_VALUE, value, deadline)
+    }
+
+    fn moves_values(&self) -> bool {
+        false
+    }
+}
+
+/// Bytes a reader asks the kernel for at once: small frames that arrived together (a
+/// pipeline) come out of one receive.
+const READ_AHEAD: usize = 64 << 10;
+
+/// Receives frames from a stream, resuming where a timed-out read stopped.
+pub(crate) struct FrameReader {
+    stream: TcpStream,
+    limit: usize,
+    /// How a wait spins and yields before it sleeps in `poll`.
+    policy: SpinPolicy,
+    /// Bytes received and not yet consumed (`ahead[..filled]` from `at`).
+    ahead: Vec<u8>,
+    at: usize,
+    /// A frame larger than what was buffered, being received straight into its own memory:
+    /// its tag and its bytes so far (its capacity is its length).
+    large: Option<(u8, Vec<u8>)>,
+    /// A protocol error ended the stream: every later read says so.
+    broken: Option<String>,
+}
+
+impl FrameReader {
+    pub(crate) fn new(stream: TcpStream, limit: usize, spin: Duration) -> Self {
+        FrameReader {
+            stream,
+            limit,
+            policy: SpinPolicy::new(spin),
+            ahead: Vec::with_capacity(READ_AHEAD),
+            at: 0,
+            large: None,
+            broken: None,
+        }
+    }
+
+    /// One non-blocking receive appended to `buf` (within its capacity): `Ok(true)` when
+    /// bytes came, `Ok(false)` when none were there.
+    fn receive(stream: &TcpStream, buf: &mut Vec<u8>) -> Result<bool, ChanError> {
+        loop {
+            return match rustix::io::read(stream, rustix::buffer::spare_capacity(buf)) {
+                Ok(0) => Err(ChanError::Closed),
+                Ok(_) => Ok(true),
+                Err(rustix::io::Errno::AGAIN) => Ok(false),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => Err(io_error(e.into())),
+            };
+        }
+    }
+
+    /// A frame whole in the buffer, or the start of a large one moved to its own memory.
+    fn parse(&mut self) -> Result<Option<(u8, Vec<u8>)>, ChanError> {
+        let buffered = &self.ahead[self.at..];
+        if buffered.len() < HEADER {
+            return Ok(None);
+        }
+        let len = u64::from_le_bytes(buffered[..8].try_into().expect("8 bytes"));
+        let tag = buffered[8];
+        if len > self.limit as u64 || (tag != TAG_VALUE && tag != TAG_ERROR) {
+            let why = format!(
+                "the peer sent a frame header of {len} bytes with tag {tag} (the ceiling is {} bytes): not an adag channel, or a corrupt stream",
+                self.limit
+            );
+            self.broken = Some(why.clone());
+            shut(&self.stream);
+            return Err(ChanError::Codec(why));
+        }
+        let len = len as usize;
+        let body = &buffered[HEADER..];
+        if body.len() >= len {
+            let frame = body[..len].to_vec();
+            self.at += HEADER + len;
+            return Ok(Some((tag, frame)));
+        }
+        if HEADER + len > READ_AHEAD {
+            let mut frame = Vec::with_capacity(len);
+            frame.extend_from_slice(body);
+            self.at = 0;
+            self.ahead.clear();
+            self.large = Some((tag, frame));
+        }
+        Ok(None)
+    }
+
+    /// One step towards the next frame: parse what is buffered, else receive once.
+    fn advance(&mut self) -> Result<Progress, ChanError> {
+        if let Some((_, frame)) = &mut self.large {
+            let got = Self::receive(&self.stream, frame)?;
+            if frame.len() == frame.capacity() {
+                let (tag, frame) = self.large.take().expect("a large frame");
+                return Ok(Progress::Frame(tag, frame));
+            }
+            return Ok(if got { Progress::Some } else { Progress::None });
+        }
+        if let Some((tag, frame)) = self.parse()? {
+            return Ok(Progress::Frame(tag, frame));
+        }
+        if self.large.is_some() {
+            return Ok(Progress::Some);
+        }
+        // Keep the unconsumed bytes at the front, then receive after them.
+        if self.at > 0 {
+            self.ahead.drain(..self.at);
+            self.at = 0;
+        }
+        Ok(if Self::receive(&self.stream, &mut self.ahead)? {
+            Progress::Some
+        } else {
+            Progress::None
+        })
+    }
+
+    /// The next whole frame and its tag, waiting until `deadline`: receives while bytes
+    /// come, then spins and yields (the channels' wait strategy), then sleeps in `poll`.
+    pub(crate) fn next(&mut self, deadline: Option<Instant>) -> Result<(u8, Vec<u8>), ChanError> {
+        if let Some(why) = &self.broken {
+            return Err(ChanError::Codec(why.clone()));
+        }
+        loop {
+            match self.advance()? {
+                Progress::Frame(tag, frame) => return Ok((tag, frame)),
+                Progress::Some => continue,
+                Progress::None => {}
+            }
+            let mut policy = self.policy.clone();
+            let mut done = None;
+            let ready = policy.idle(|| {
+                Ok::<_, ChanError>(match self.advance()? {
+                    Progress::Frame(tag, frame) => {
+                        done = Some((tag, frame));
+                        true
+                    }
+                    Progress::Some => true,
+                    Progress::None => false,
+                })
+            })?;
+            self.policy = policy;
+            if let Some(frame) = done {
+                return Ok(frame);
+            }
+            if !ready {
+                wait_ready(&self.stream, PollFlags::IN, deadline)?;
+            }
+        }
+    }
+}
+
+/// What one step of a [`FrameReader`] achieved.
+enum Progress {
+    Frame(u8, Vec<u8>),
+    /// Bytes came (or were parsed), but no whole frame yet.
+    Some,
+    None,
+}
+
+/// One reader's end of a network channel (the only reader on its host), for values of `T`.
+pub(crate) struct NetRx<T> {
+    frames: FrameReader,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T> NetRx<T> {
+    pub(crate) fn new(stream: TcpStream, limit: usize, spin: Duration) -> Self {
+        NetRx {
+            frames: FrameReader::new(stream, limit, spin),
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<T: DeserializeOwned> ChannelReader<T> for NetRx<T> {
+    fn read(&mut self, deadline: Option<Instant>) -> Result<Msg<T>, ChanError> {
+        let (tag, frame) = self.frames.next(deadline)?;
+        let frame = Bytes::from(frame);
+        let keep = || frame.clone();
+        let decoded = match tag {
+            TAG_VALUE => frame::decode::<T>(&frame, frame.len(), keep).map(Msg::Value),
+            _ => frame::decode::<TaskError>(&frame, frame.len(), keep)
+                .map(|e| Msg::Error(Arc::new(e))),
+        };
+        decoded.map_err(|e| {
+            ChanError::Codec(format!(
+                "cannot decode a {} from {} bytes received over the network: {e}; the writer and reader disagree on the type (a different binary on another host?)",
+                std::any::type_name::<T>(),
+                frame.len()
+            ))
+        })
+    }
+}
+
+/// Moves every frame of `stream` into the shared-memory ring of `shm` (the readers of one
+/// host), straight into its slots, until the stream or the ring closes; then closes the ring
+/// (dropping its writer), so that its readers see the close.
+pub(crate) fn relay(stream: TcpStream, mut shm: ShmWriter, limit: usize) -> Result<(), ChanError> {
+    // The relay has the connection to itself: it waits in blocking reads.
+    let _ = stream.set_nonblocking(false);
+    let mut stream = stream;
+    loop {
+        let mut header = [0u8; HEADER];
+        stream.read_exact(&mut header).map_err(io_error)?;
+        let len = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
+        let tag = header[8];
+        if len > limit as u64 || (tag != TAG_VALUE && tag != TAG_ERROR) {
+            shut(&stream);
+            return Err(ChanError::Codec(format!(
+                "the peer sent a frame header of {len} bytes with tag {tag} (the ceiling is {limit} bytes)"
+            )));
+        }
+        let len = len as usize;
+        let mut failed: Option<io::Error> = None;
+        let written = shm.write(
+            tag,
+            &mut |buf: &mut [u8]| {
+                if buf.len() < len {
+                    return Err(len);
+                }
+                match stream.read_exact(&mut buf[..len]) {
+                    Ok(()) => Ok(len),
+                    Err(e) => {
+                        failed = Some(e);
+                        Err(usize::MAX)
+                    }
+                }
+            },
+            None,
+        );
+        if let Some(e) = failed {
+            return Err(io_error(e));
+        }
+        written?;
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::Buffer;
+    use std::io::Write;
+    use std::net::TcpListener;
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (b, _) = listener.accept().unwrap();
+        prepare(&a).unwrap();
+        prepare(&b).unwrap();
+        (a, b)
+    }
+
+    const LIMIT: usize = 256 << 20;
+    const WAIT: Duration = Duration::from_secs(30);
+
+    fn soon() -> Option<Instant> {
+        Some(Instant::now() + WAIT)
+    }
+
+    #[test]
+    fn values_errors_and_large_buffers_cross_in_order() {
+        let (a, b) = pair();
+        let mut tx = NetTx::<(u64, Buffer)>::new(a, LIMIT);
+        let mut rx = NetRx::<(u64, Buffer)>::new(b, LIMIT, Duration::from_micros(50));
+        let sizes = [0usize, 10, 70_000, 3 << 20];
+        let writer = std::thread::spawn(move || {
+            for (i, n) in sizes.iter().enumerate() {
+                let data: Vec<u8> = (0..*n).map(|k| (k * 7 + i) as u8).collect();
+                tx.write(Msg::Value((i as u64, Buffer::from(data))), soon())
+                    .unwrap();
+            }
+            let err = Arc::new(TaskError::new("a", "f", "boom"));
+            tx.write(Msg::Error(err), soon()).unwrap();
+            tx
+        });
+        for (i, n) in sizes.iter().enumerate() {
+            match rx.read(soon()).unwrap() {
+                Msg::Value((k, buf)) => {
+                    assert_eq!(k, i as u64);
+                    assert_eq!(buf.len(), *n);
+                    assert!(buf.iter().enumerate().all(|(j, b)| *b == (j * 7 + i) as u8));
+                }
+                Msg::Error(e) => panic!("{e:?}"),
+            }
+        }
+        match rx.read(soon()).unwrap() {
+            Msg::Error(e) => assert_eq!(e.message, "boom"),
+            Msg::Value(_) => panic!("expected the error frame"),
+        }
+        let tx = writer.join().unwrap();
+        drop(tx);
+        assert_eq!(rx.read(soon()).unwrap_err(), ChanError::Closed);
+    }
+
+    #[test]
+    fn a_read_that_times_out_mid_frame_resumes_where_it_stopped() {
+        let (mut a, b) = pair();
+        let mut rx = NetRx::<Vec<u8>>::new(b, LIMIT, Duration::from_micros(10));
+        // One frame as a writer sends it, delivered in three pieces.
+        let g = frame::encode_gathered(&vec![9u8; 100]).unwrap();
+        assert!(g.attachments.is_empty());
+        let mut bytes = vec![0u8; HEADER];
+        bytes[..8].copy_from_slice(&(g.total as u64).to_le_bytes());
+        bytes.extend_from_slice(&g.head);
+        a.set_nonblocking(false).unwrap();
+        let short = || Some(Instant::now() + Duration::from_millis(20));
+        a.write_all(&bytes[..5]).unwrap();
+        assert_eq!(rx.read(short()).unwrap_err(), ChanError::Timeout);
+        a.write_all(&bytes[5..30]).unwrap();
+        assert_eq!(rx.read(short()).unwrap_err(), ChanError::Timeout);
+        a.write_all(&bytes[30..]).unwrap();
+        match rx.read(soon()).unwrap() {
+            Msg::Value(v) => assert_eq!(v, vec![9u8; 100]),
+            Msg::Error(e) => panic!("{e:?}"),
+        }
+    }
+
+    #[test]
+    fn shutting_the_connection_wakes_a_blocked_reader() {
+        let (a, b) = pair();
+        let closer = b.try_clone().unwrap();
+        let mut rx = NetRx::<u64>::new(b, LIMIT, Duration::ZERO);
+        let t = std::thread::spawn(move || rx.read(None));
+        std::thread::sleep(Duration::from_millis(50));
+        shut(&closer);
+        assert_eq!(t.join().unwrap().unwrap_err(), ChanError::Closed);
+        drop(a);
+    }
+
+    #[test]
+    fn an_oversized_or_foreign_header_is_a_typed_error_without_allocating() {
+        for header in [
+            {
+                let mut h = [0u8; HEADER];
+                h[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+                h
+            },
+            *b"GET / HTTP/1.1\r\n",
+        ] {
+            let (mut a, b) = pair();
+            a.set_nonblocking(false).unwrap();
+            a.write_all(&header).unwrap();
+            let mut rx = NetRx::<u64>::new(b, 1 << 20, Duration::ZERO);
+            assert!(matches!(rx.read(soon()), Err(ChanError::Codec(_))));
+            assert!(matches!(rx.read(soon()), Err(ChanError::Codec(_))));
+        }
+    }
+
+    proptest::proptest! {
+        /// Random bytes from the network: a typed error or a value, never a panic.
+        #[test]
+        fn random_bytes_are_typed_errors(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200)) {
+            let (mut a, b) = pair();
+            a.set_nonblocking(false).unwrap();
+            a.write_all(&bytes).unwrap();
+            drop(a);
+            let mut rx = NetRx::<(u64, Buffer, String)>::new(b, 1 << 16, Duration::ZERO);
+            for _ in 0..4 {
+                if rx.read(soon()).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+}
