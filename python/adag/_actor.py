@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import os
 import sys
 import threading
@@ -16,6 +17,7 @@ from .exceptions import GetTimeoutError
 T = TypeVar("T")
 
 _worker_command_set = False
+_numbers = itertools.count(1)
 _lock = threading.Lock()
 
 # `.options(...)` keywords of Ray's that mean nothing on one host: accepted, so that a Ray
@@ -183,12 +185,13 @@ class ActorClass(Generic[T]):
         from ._dag import _dumps_code
 
         _ensure_worker_command()
+        name = self._options.get("name") or f"{self._cls.__name__}#{next(_numbers)}"
         native = _native.spawn(
             _dumps_code(self._cls),
             tuple(args),
             dict(kwargs),
             [p for p in sys.path if isinstance(p, str)],
-            self._options.get("name"),
+            name,
         )
         return ActorHandle(native, self._cls.__name__)
 

@@ -35,20 +35,18 @@ def format_exception(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
-def describe_exception(exc: BaseException) -> Tuple[str, bytes]:
-    """In a worker: the text of a method's exception, and the pickled details the driver
-    rebuilds it from."""
+def describe_exception(exc: BaseException, method: str) -> Tuple[str, bytes]:
+    """In a worker: the text of method ``method``'s exception, and the pickled details the
+    driver rebuilds it from: ``(method, traceback text, the exception or None)``."""
     tb = format_exception(exc)
-    name = type(exc).__qualname__
-    text = f"{name}: {exc}"
+    text = f"{type(exc).__qualname__}: {exc}"
     try:
         import cloudpickle
 
-        cause: Any = exc
-        blob = cloudpickle.dumps((name, str(exc), tb, cause))
+        blob = cloudpickle.dumps((method, tb, exc))
         pickle.loads(blob)
     except Exception:
-        blob = pickle.dumps((name, str(exc), tb, None))
+        blob = pickle.dumps((method, tb, None))
     return text, blob
 
 
@@ -78,7 +76,7 @@ def task_error(actor: str, method: str, text: str, detail: Optional[str]) -> ex.
     tb = ""
     if detail:
         try:
-            _name, _msg, tb, cause = pickle.loads(bytes.fromhex(detail))
+            method, tb, cause = pickle.loads(bytes.fromhex(detail))
         except Exception:
             cause = None
     if isinstance(cause, Exception):

@@ -42,9 +42,10 @@ class TaskError(AdagError):
         cause: Optional[BaseException] = None,
         traceback_str: str = "",
     ) -> None:
-        text = f"{actor_name}.{method_name}() failed: {message}"
         if traceback_str:
-            text += "\n\n" + traceback_str.rstrip()
+            text = f"{actor_name}.{method_name}() failed:\n\n{traceback_str.rstrip()}"
+        else:
+            text = f"{actor_name}.{method_name}() failed: {message}"
         Exception.__init__(self, text)
         self.actor_name = actor_name
         self.method_name = method_name

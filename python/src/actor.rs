@@ -38,7 +38,7 @@ pub struct CallSpec {
 
 /// A Python exception raised by a method, as it travels to the driver: its text, and (as its
 /// `source`, the second element of the error's chain) the hex of a pickle of
-/// `(type name, message, traceback text, the exception or None)`.
+/// `(method name, traceback text, the exception or None)`.
 #[derive(Debug)]
 pub struct PyFailure {
     text: String,
@@ -81,11 +81,14 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 }
 
 impl PyFailure {
-    fn of(py: Python<'_>, err: PyErr) -> PyFailure {
+    fn of(py: Python<'_>, err: PyErr, method: &str) -> PyFailure {
+        if let Some(tb) = err.traceback(py) {
+            let _ = err.value(py).setattr("__traceback__", tb);
+        }
         let described = py
             .import("adag._errors")
             .and_then(|m| m.getattr("describe_exception"))
-            .and_then(|f| f.call1((err.value(py),)))
+            .and_then(|f| f.call1((err.value(py), method)))
             .and_then(|r| r.extract::<(String, Vec<u8>)>());
         match described {
             Ok((text, detail)) => PyFailure {
@@ -130,7 +133,7 @@ impl PyActor {
     fn call(&mut self, spec: CallSpec, values: Vec<PyValue>) -> Result<PyValue, PyFailure> {
         Python::with_gil(|py| {
             self.call_in(py, &spec, values)
-                .map_err(|e| PyFailure::of(py, e))
+                .map_err(|e| PyFailure::of(py, e, &spec.method))
         })
     }
 
@@ -191,6 +194,20 @@ impl PyActor {
     }
 }
 
+/// Give the actor's thread a Python thread state for good, so that each call's
+/// `Python::with_gil` finds it: otherwise every call creates and destroys one (with its frame
+/// stack, mapped and unmapped each time), which costs more than the call itself.
+fn keep_thread_state() {
+    // SAFETY: the interpreter is initialized (this is a worker started by `python`), and this
+    // thread holds no GIL yet: PyGILState_Ensure creates its thread state and takes the GIL,
+    // PyEval_SaveThread releases the GIL and keeps the state. The state is never released, so
+    // the Ensure is never unmatched by a release that would destroy it under a later caller.
+    unsafe {
+        let _ = pyo3::ffi::PyGILState_Ensure();
+        let _ = pyo3::ffi::PyEval_SaveThread();
+    }
+}
+
 /// Node argument `i`, moved out the first time and cloned for a second use.
 fn take(py: Python<'_>, values: &mut [Option<PyObject>], i: usize) -> PyObject {
     match values.get_mut(i) {
@@ -203,6 +220,7 @@ fn take(py: Python<'_>, values: &mut [Option<PyObject>], i: usize) -> PyObject {
 impl PyActor {
     /// Build the user's class in this worker.
     pub fn new(init: PyInit) -> Result<Self, String> {
+        keep_thread_state();
         Python::with_gil(|py| {
             let built = (|| -> PyResult<PyObject> {
                 let sys_path = py.import("sys")?.getattr("path")?;

@@ -1,0 +1,73 @@
+"""asyncio: graphs compiled with enable_asyncio, awaited refs, awaited one-off calls."""
+import asyncio
+
+import pytest
+
+import adag
+from adag import InputNode, MultiOutputNode
+from actors import Echo
+
+EchoActor = adag.remote(Echo)
+
+
+def test_execute_async_and_await():
+    a, b = EchoActor.remote(), EchoActor.remote(1)
+
+    async def main():
+        with InputNode() as inp:
+            dag = MultiOutputNode([a.echo.bind(inp), b.add.bind(inp)])
+        compiled = dag.experimental_compile(enable_asyncio=True)
+        try:
+            futs = [await compiled.execute_async(i) for i in range(5)]
+            results = [[await f for f in fs] for fs in futs]
+            assert results == [[i, i + 1] for i in range(5)]
+            # Several executions awaited together.
+            many = await asyncio.gather(*[compiled.execute_async(i) for i in range(4)])
+            values = await asyncio.gather(*[f for fs in many for f in fs])
+            assert sorted(values) == sorted([i for i in range(4)] + [i + 1 for i in range(4)])
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())
+
+
+def test_async_task_error():
+    a = EchoActor.remote()
+
+    async def main():
+        with InputNode() as inp:
+            dag = a.fail.bind(inp)
+        compiled = dag.experimental_compile(enable_asyncio=True)
+        try:
+            fut = await compiled.execute_async(4)
+            with pytest.raises(ValueError, match="bad value 4"):
+                await fut
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())
+
+
+def test_await_one_off_call():
+    a = EchoActor.remote(2)
+
+    async def main():
+        return await a.add.remote(40)
+
+    assert asyncio.run(main()) == 42
+
+
+def test_async_ref_is_not_read_with_get():
+    a = EchoActor.remote()
+
+    async def main():
+        with InputNode() as inp:
+            dag = a.echo.bind(inp)
+        compiled = dag.experimental_compile(enable_asyncio=True)
+        try:
+            fut = await compiled.execute_async(1)
+            assert await fut == 1
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())
