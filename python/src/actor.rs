@@ -103,6 +103,15 @@ impl PyFailure {
     }
 }
 
+/// A call template as pickled by `adag/_dag.py`: positional constants, `(position, node
+/// argument)` pairs, keyword constants, `(keyword, node argument)` pairs.
+type Template<'py> = (
+    Bound<'py, PyList>,
+    Vec<(usize, usize)>,
+    Option<Bound<'py, PyDict>>,
+    Vec<(String, usize)>,
+);
+
 /// The worker's view of one bound call, built the first time it runs.
 struct Bound_ {
     method: PyObject,
@@ -178,12 +187,7 @@ impl PyActor {
             .getattr("loads")?
             .call1((pyo3::types::PyBytes::new(py, &spec.template),))?;
         // (args, arg_slots, kwargs or None, kw_slots): see adag/_dag.py.
-        let (args, arg_slots, kwargs, kw_slots): (
-            Bound<'_, PyList>,
-            Vec<(usize, usize)>,
-            Option<Bound<'_, PyDict>>,
-            Vec<(String, usize)>,
-        ) = t.extract()?;
+        let (args, arg_slots, kwargs, kw_slots): Template<'_> = t.extract()?;
         Ok(Bound_ {
             method: method.unbind(),
             args: args.iter().map(Bound::unbind).collect(),
@@ -208,7 +212,7 @@ fn keep_thread_state() {
     }
 }
 
-/// Node argument `i`, moved out the first time and cloned for a second use.
+/// Node argument `i` (a new reference: one node may fill several places).
 fn take(py: Python<'_>, values: &mut [Option<PyObject>], i: usize) -> PyObject {
     match values.get_mut(i) {
         Some(v) => v.as_ref().map_or_else(|| py.None(), |o| o.clone_ref(py)),

@@ -156,7 +156,10 @@ pub fn spawn(
 ) -> PyResult<NativeActor> {
     let init = PyInit {
         class: class_bytes,
-        args: dumps(py, PyTuple::new(py, [args.into_any(), kwargs.into_any()])?.as_any())?,
+        args: dumps(
+            py,
+            PyTuple::new(py, [args.into_any(), kwargs.into_any()])?.as_any(),
+        )?,
         sys_path,
     };
     let rt = runtime()?;
@@ -176,6 +179,10 @@ enum Selector {
     Index(usize),
     Key(String),
 }
+
+/// One method node as `adag/_dag.py` describes it: the actor, the Python method, the pickled
+/// call template, and the node arguments (`a >= 0`: node `a`; `a < 0`: input part `-a - 1`).
+type NodeSpec = (Py<NativeActor>, String, Vec<u8>, Vec<i64>);
 
 type Graph = CompiledGraph<PyInput, Vec<Node<PyValue>>>;
 
@@ -223,7 +230,7 @@ impl NativeGraph {
     fn new(
         py: Python<'_>,
         parts: Vec<Bound<'_, PyTuple>>,
-        nodes: Vec<(Py<NativeActor>, String, Vec<u8>, Vec<i64>)>,
+        nodes: Vec<NodeSpec>,
         outputs: Vec<usize>,
         options: Bound<'_, PyDict>,
     ) -> PyResult<Self> {
@@ -421,7 +428,9 @@ impl NativeRef {
     fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyObject> {
         let timeout = secs("timeout", timeout)?;
         let r = self.r.lock().clone().ok_or_else(|| {
-            PyValueError::new_err("this ref's value was already retrieved; a ref yields its value once")
+            PyValueError::new_err(
+                "this ref's value was already retrieved; a ref yields its value once",
+            )
         })?;
         let got = if self.asyncio {
             // From a thread of the asyncio executor: wait on the ref's future here.
