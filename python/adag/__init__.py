@@ -99,3 +99,22 @@ __all__ = [
     "method",
     "remote",
 ]
+
+
+__version__ = "0.1.0"
+
+
+def init(**_options: Any) -> None:
+    """Ray's ``ray.init``: accepted so that programs port unchanged. adag needs no cluster:
+    actors are worker processes of this interpreter, started by ``.remote()``."""
+
+
+def shutdown() -> None:
+    """Ray's ``ray.shutdown``: tears down every live compiled graph of this process (actor
+    processes end when their handles are dropped, and with the interpreter)."""
+    from ._dag import _teardown_all
+
+    _teardown_all()
+
+
+__all__ += ["init", "shutdown", "__version__"]
