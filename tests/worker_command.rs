@@ -8,13 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// entry (not the start-up hook) made it one.
 static ENTERED_EXPLICITLY: AtomicBool = AtomicBool::new(false);
 
+#[derive(Default)]
 pub struct Probe;
 
 #[adag::actor]
 impl Probe {
-    pub fn new() -> Self {
-        Probe
-    }
     pub fn entered(&mut self, x: u64) -> (bool, u64) {
         (ENTERED_EXPLICITLY.load(Ordering::SeqCst), x)
     }

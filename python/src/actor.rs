@@ -181,7 +181,11 @@ impl PyActor {
     }
 
     fn prepare(&self, py: Python<'_>, spec: &CallSpec) -> PyResult<Bound_> {
-        let method = self.instance.bind(py).getattr(spec.method.as_str())?;
+        // Collectives run a function of `adag._collective` on the actor (see that module).
+        let method = match spec.method.strip_prefix(COLLECTIVE_PREFIX) {
+            Some(f) => py.import("adag._collective")?.getattr(f)?,
+            None => self.instance.bind(py).getattr(spec.method.as_str())?,
+        };
         let t = py
             .import("pickle")?
             .getattr("loads")?
@@ -333,6 +337,9 @@ impl PyActor {
         self.call(spec, vec![a, b, c, d, e, f, g])
     }
 }
+
+/// The method name prefix of a collective's step (`adag/_collective.py`).
+pub const COLLECTIVE_PREFIX: &str = "__adag_collective__.";
 
 /// The most node arguments one bound call may take.
 pub const MAX_NODE_ARGS: usize = 7;
