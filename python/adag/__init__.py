@@ -60,6 +60,8 @@ def get(refs: Union[_Ref, Sequence[_Ref]], timeout: Optional[float] = None) -> A
     method's own exception type) when a method failed, :class:`GetTimeoutError` on timeout
     (the ref stays valid), :class:`ActorDiedError` when an actor died.
     """
+    if type(refs) is CompiledDAGRef:
+        return refs.get(timeout)
     if isinstance(refs, (list, tuple)):
         return [get(r, timeout) for r in refs]
     if isinstance(refs, (CompiledDAGRef, ObjectRef, CompiledDAGFuture)):

@@ -174,26 +174,9 @@ class MultiOutputNode(DAGNode):
         return list(self._outputs)
 
 
-class CompiledDAGRef:
-    """The result of one output of one execution (Ray's ``CompiledDAGRef``): claim it once
-    with :func:`adag.get` or :meth:`get`."""
-
-    def __init__(self, native: Any, dag: "CompiledDAG") -> None:
-        self._native = native
-        self._dag = dag
-
-    def get(self, timeout: Optional[float] = None) -> Any:
-        """The value, waiting up to ``timeout`` seconds (``None``: the graph's default of
-        10 s; negative: for ever). Raises the task's error if the method failed."""
-        if self._dag._asyncio:
-            raise WrongModeError(
-                "this graph was compiled with enable_asyncio=True: await the futures of "
-                "execute_async(...) instead"
-            )
-        return self._native.get(timeout)
-
-    def __repr__(self) -> str:
-        return "CompiledDAGRef()"
+#: The result of one output of one execution (Ray's ``CompiledDAGRef``), implemented by the
+#: native module: ``ref.get(timeout=None)`` or :func:`adag.get`; a ref yields its value once.
+CompiledDAGRef = _native.CompiledDAGRef
 
 
 class CompiledDAGFuture:
@@ -206,11 +189,12 @@ class CompiledDAGFuture:
 
     def __await__(self):
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._dag._executor(), self._native.get, None).__await__()
+        return loop.run_in_executor(self._dag._executor(), self._native._wait, None).__await__()
 
     def get(self, timeout: Optional[float] = None) -> Any:
-        """Wait for the value from synchronous code (a blocking call)."""
-        return self._native.get(timeout)
+        """Wait for the value from synchronous code (a blocking call; ``timeout`` is not
+        applied: use ``asyncio.wait_for`` on ``await``)."""
+        return self._native._wait(timeout)
 
 
 _live: "weakref.WeakSet[CompiledDAG]" = weakref.WeakSet()
@@ -274,8 +258,10 @@ class CompiledDAG:
         self._asyncio = bool(options.get("enable_asyncio"))
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._native = _native.NativeGraph(
-            part_specs, specs, [seen[id(o)] for o in outputs], options
+            part_specs, specs, [seen[id(o)] for o in outputs], self._multi, options
         )
+        # The hot path straight to the native method (the method below documents it).
+        self.execute = self._native.execute  # type: ignore[method-assign]
         # The actors stay alive as long as the graph.
         self._actors = [n._actor for n in order]
         _live.add(self)
@@ -292,13 +278,7 @@ class CompiledDAG:
         the positional and keyword arguments. Returns a ref (a list of refs for a
         :class:`MultiOutputNode`). Raises :class:`~adag.exceptions.CapacityExceededError`
         when ``_max_inflight_executions`` results are unread."""
-        if self._asyncio:
-            raise WrongModeError(
-                "this graph was compiled with enable_asyncio=True; use "
-                "await execute_async(...)"
-            )
-        refs = [CompiledDAGRef(r, self) for r in self._native.execute(*args, **kwargs)]
-        return refs if self._multi else refs[0]
+        return self._native.execute(*args, **kwargs)
 
     async def execute_async(
         self, *args: Any, **kwargs: Any
@@ -312,10 +292,11 @@ class CompiledDAG:
             )
         loop = asyncio.get_running_loop()
         native = await loop.run_in_executor(
-            self._executor(), lambda: self._native.execute(*args, **kwargs)
+            self._executor(), lambda: self._native.submit_async(*args, **kwargs)
         )
-        futs = [CompiledDAGFuture(r, self) for r in native]
-        return futs if self._multi else futs[0]
+        if self._multi:
+            return [CompiledDAGFuture(r, self) for r in native]
+        return CompiledDAGFuture(native, self)
 
     def teardown(self) -> None:
         """Stop the graph and release its actors (idempotent). Their processes live on for

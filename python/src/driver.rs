@@ -192,6 +192,8 @@ pub struct NativeGraph {
     graph: Mutex<Option<Arc<Graph>>>,
     parts: Vec<Selector>,
     asyncio: bool,
+    /// `execute` returns a list (a `MultiOutputNode`), not one ref.
+    multi: bool,
 }
 
 fn options_from(opts: &Bound<'_, PyDict>) -> PyResult<CompileOptions> {
@@ -232,6 +234,7 @@ impl NativeGraph {
         parts: Vec<Bound<'_, PyTuple>>,
         nodes: Vec<NodeSpec>,
         outputs: Vec<usize>,
+        multi: bool,
         options: Bound<'_, PyDict>,
     ) -> PyResult<Self> {
         let opts = options_from(&options)?;
@@ -293,32 +296,50 @@ impl NativeGraph {
             graph: Mutex::new(Some(Arc::new(graph))),
             parts: selectors,
             asyncio,
+            multi,
         })
     }
 
-    /// Submit one execution; returns one ref per output.
+    /// Submit one execution (a graph compiled without `enable_asyncio`): one ref, or a list
+    /// of refs for a graph of several outputs.
     #[pyo3(signature = (*args, **kwargs))]
     fn execute(
         &self,
         py: Python<'_>,
         args: Bound<'_, PyTuple>,
         kwargs: Option<Bound<'_, PyDict>>,
-    ) -> PyResult<Vec<NativeRef>> {
+    ) -> PyResult<PyObject> {
+        if self.asyncio {
+            return Err(to_py_err(
+                py,
+                Error::WrongMode {
+                    message: "this graph was compiled with enable_asyncio=True; use await execute_async(...)".into(),
+                },
+            ));
+        }
         let g = self.live(py)?;
         let input = self.input(py, &args, kwargs.as_ref())?;
-        let refs = if self.asyncio {
-            py.allow_threads(|| block_on(g.execute_async(input)))
-        } else {
-            py.allow_threads(|| g.execute(input))
-        }
-        .map_err(|e| to_py_err(py, e))?;
-        Ok(refs
-            .into_iter()
-            .map(|r| NativeRef {
-                r: Mutex::new(Some(r)),
-                asyncio: self.asyncio,
-            })
-            .collect())
+        let refs = py
+            .allow_threads(|| g.execute(input))
+            .map_err(|e| to_py_err(py, e))?;
+        self.wrap(py, refs)
+    }
+
+    /// Submit one execution of an `enable_asyncio` graph, waiting (up to the submit timeout)
+    /// for room; called from a thread of the asyncio executor. One ref, or a list of refs.
+    #[pyo3(signature = (*args, **kwargs))]
+    fn submit_async(
+        &self,
+        py: Python<'_>,
+        args: Bound<'_, PyTuple>,
+        kwargs: Option<Bound<'_, PyDict>>,
+    ) -> PyResult<PyObject> {
+        let g = self.live(py)?;
+        let input = self.input(py, &args, kwargs.as_ref())?;
+        let refs = py
+            .allow_threads(|| block_on(g.execute_async(input)))
+            .map_err(|e| to_py_err(py, e))?;
+        self.wrap(py, refs)
     }
 
     /// Whether the graph was compiled with `enable_asyncio`.
@@ -344,6 +365,23 @@ impl NativeGraph {
 }
 
 impl NativeGraph {
+    fn wrap(&self, py: Python<'_>, refs: Vec<CompiledRef<PyValue>>) -> PyResult<PyObject> {
+        let mut refs = refs.into_iter().map(|r| CompiledDAGRef {
+            r: Mutex::new(Some(r)),
+            asyncio: self.asyncio,
+        });
+        if self.multi {
+            let list = refs
+                .map(|r| Bound::new(py, r))
+                .collect::<PyResult<Vec<_>>>()?;
+            return Ok(pyo3::types::PyList::new(py, list)?.into_any().unbind());
+        }
+        let one = refs
+            .next()
+            .ok_or_else(|| PyValueError::new_err("the graph has no output"))?;
+        Ok(Bound::new(py, one)?.into_any().unbind())
+    }
+
     fn live(&self, py: Python<'_>) -> PyResult<Arc<Graph>> {
         self.graph
             .lock()
@@ -413,44 +451,68 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
     }
 }
 
-/// The result of one output of one execution (Ray's `CompiledDAGRef`).
-#[pyclass(module = "adag._native", frozen)]
-pub struct NativeRef {
+/// The result of one output of one execution (Ray's `CompiledDAGRef`): claim it once with
+/// `adag.get(ref)` or `ref.get()`.
+#[pyclass(module = "adag", frozen)]
+pub struct CompiledDAGRef {
     r: Mutex<Option<CompiledRef<PyValue>>>,
     asyncio: bool,
 }
 
 #[pymethods]
-impl NativeRef {
-    /// Wait for the value, up to `timeout` seconds (`None`: the graph's get timeout; a
-    /// negative number: for ever). On a timeout the ref stays valid.
+impl CompiledDAGRef {
+    /// Wait for the value, up to `timeout` seconds (`None`: the graph's default of 10 s; a
+    /// negative number: for ever). On a timeout the ref stays valid. Raises the task's error
+    /// if the method failed.
     #[pyo3(signature = (timeout=None))]
     fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyObject> {
+        if self.asyncio {
+            return Err(to_py_err(
+                py,
+                Error::WrongMode {
+                    message: "this graph was compiled with enable_asyncio=True: await the futures of execute_async(...) instead".into(),
+                },
+            ));
+        }
+        self.wait(py, timeout)
+    }
+
+    /// `get` for the futures of `enable_asyncio` graphs, from an executor's thread.
+    #[pyo3(signature = (timeout=None))]
+    fn _wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyObject> {
+        self.wait(py, timeout)
+    }
+
+    fn __repr__(&self) -> String {
+        match &*self.r.lock() {
+            Some(r) => format!("CompiledDAGRef({r})"),
+            None => "CompiledDAGRef(claimed)".into(),
+        }
+    }
+}
+
+impl CompiledDAGRef {
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyObject> {
         let timeout = secs("timeout", timeout)?;
         let r = self.r.lock().clone().ok_or_else(|| {
             PyValueError::new_err(
                 "this ref's value was already retrieved; a ref yields its value once",
             )
         })?;
-        let got = if self.asyncio {
-            // From a thread of the asyncio executor: wait on the ref's future here.
-            py.allow_threads(|| match timeout {
-                Some(t) if t != Duration::MAX => r.get_timeout(t),
-                _ => block_on(std::future::IntoFuture::into_future(r)),
-            })
-        } else {
-            py.allow_threads(|| match timeout {
+        let asyncio = self.asyncio;
+        let got = py.allow_threads(|| {
+            if asyncio {
+                // A future of an asyncio graph, awaited from an executor's thread (asyncio's
+                // own `wait_for` bounds it).
+                return block_on(std::future::IntoFuture::into_future(r));
+            }
+            match timeout {
                 None => r.get(),
                 Some(t) => r.get_timeout(t),
-            })
-        };
+            }
+        });
         let v = got.map_err(|e| to_py_err(py, e))?;
         self.r.lock().take();
         loads(py, &v)
-    }
-
-    /// Give the result up without reading it.
-    fn release(&self) {
-        self.r.lock().take();
     }
 }

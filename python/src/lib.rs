@@ -36,7 +36,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(driver::spawn, m)?)?;
     m.add_class::<driver::NativeActor>()?;
     m.add_class::<driver::NativeGraph>()?;
-    m.add_class::<driver::NativeRef>()?;
+    m.add_class::<driver::CompiledDAGRef>()?;
     m.add_class::<value::ShmBuffer>()?;
     Ok(())
 }

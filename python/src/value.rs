@@ -10,6 +10,9 @@ use pyo3::types::{PyByteArray, PyBytes, PyList, PyTuple};
 use serde::{Deserialize, Serialize};
 use std::os::raw::c_int;
 
+/// Below this size bytes are copied rather than referred to.
+const SMALL: usize = 4096;
+
 /// What a [`PyValue`] holds.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub enum Kind {
@@ -55,7 +58,7 @@ fn buffer_of(obj: &Bound<'_, PyAny>) -> PyResult<Buffer> {
     if !buf.is_c_contiguous() {
         return Err(PyBufferError::new_err("the buffer is not C-contiguous"));
     }
-    if buf.len_bytes() < 4096 {
+    if buf.len_bytes() < SMALL {
         // Small: a copy is cheaper than holding the Python object (whose release needs the GIL).
         return Ok(Buffer::copy_from_slice(HeldBuffer(buf).as_ref()));
     }
@@ -94,6 +97,16 @@ pub fn dumps_code(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     Ok(out.downcast::<PyBytes>()?.as_bytes().to_vec())
 }
 
+/// Scalars and strings: values without buffers, pickled the short way.
+fn is_plain(obj: &Bound<'_, PyAny>) -> bool {
+    use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
+    obj.is_none()
+        || obj.is_exact_instance_of::<PyInt>()
+        || obj.is_exact_instance_of::<PyFloat>()
+        || obj.is_exact_instance_of::<PyBool>()
+        || obj.is_exact_instance_of::<PyString>()
+}
+
 /// Pickle `obj` for an edge: protocol 5, out-of-band buffers kept apart.
 pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
     if let Ok(b) = obj.downcast_exact::<PyBytes>() {
@@ -112,6 +125,15 @@ pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
         });
     }
     let p = pickle(py)?;
+    if is_plain(obj) {
+        // No buffer to take out of band: no callback to build.
+        let stream = p.dumps.bind(py).call1((obj, 5))?;
+        return Ok(PyValue {
+            kind: Kind::Pickle,
+            data: buffer_of(&stream)?,
+            oob: Vec::new(),
+        });
+    }
     let buffers = PyList::empty(py);
     let kwargs = pyo3::types::PyDict::new(py);
     kwargs.set_item("protocol", 5)?;
@@ -147,6 +169,11 @@ pub fn loads(py: Python<'_>, v: &PyValue) -> PyResult<PyObject> {
         Kind::ByteArray => Ok(PyByteArray::new(py, &v.data).into_any().unbind()),
         Kind::Pickle => {
             let p = pickle(py)?;
+            if v.oob.is_empty() && v.data.len() < SMALL {
+                // Small: a copy into `bytes` is cheaper than a buffer object to read through.
+                let data = PyBytes::new(py, &v.data);
+                return p.loads.bind(py).call1((data,)).map(Bound::unbind);
+            }
             let data = Bound::new(py, ShmBuffer(v.data.clone()))?;
             if v.oob.is_empty() {
                 return p.loads.bind(py).call1((data,)).map(Bound::unbind);
