@@ -14,8 +14,16 @@ use std::os::raw::c_int;
 const SMALL: usize = 4096;
 
 /// What a [`PyValue`] holds.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub enum Kind {
+    /// A C-contiguous numpy array of a plain dtype: its bytes are `data`; the reader makes a
+    /// read-only view of them (`numpy.frombuffer`), with no pickling either way.
+    NdArray {
+        /// `dtype.str` (byte order, kind, size: `<f4`).
+        dtype: String,
+        /// The array's shape.
+        shape: Vec<usize>,
+    },
     /// A pickle stream (`data`) and its out-of-band buffers (`oob`).
     Pickle,
     /// A `bytes` object: its bytes are `data`.
@@ -97,6 +105,50 @@ pub fn dumps_code(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     Ok(out.downcast::<PyBytes>()?.as_bytes().to_vec())
 }
 
+/// A numpy array that travels as its bytes: exactly `numpy.ndarray`, C-contiguous, of a dtype
+/// without fields or objects (anything else is pickled).
+fn ndarray(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<PyValue>> {
+    let ty = obj.get_type();
+    if ty.name()? != "ndarray" || ty.module()? != "numpy" {
+        return Ok(None);
+    }
+    let dtype = obj.getattr("dtype")?;
+    if !obj.getattr("flags")?.getattr("c_contiguous")?.is_truthy()?
+        || dtype.getattr("hasobject")?.is_truthy()?
+        || !dtype.getattr("fields")?.is_none()
+        || dtype.getattr("kind")?.extract::<String>()? == "V"
+    {
+        return Ok(None);
+    }
+    let raw = pickle_buffer(py)?
+        .bind(py)
+        .call1((obj,))?
+        .call_method0("raw")?;
+    Ok(Some(PyValue {
+        kind: Kind::NdArray {
+            dtype: dtype.getattr("str")?.extract()?,
+            shape: obj.getattr("shape")?.extract()?,
+        },
+        data: buffer_of(&raw)?,
+        oob: Vec::new(),
+    }))
+}
+
+fn pickle_buffer(py: Python<'_>) -> PyResult<&'static PyObject> {
+    static PB: GILOnceCell<PyObject> = GILOnceCell::new();
+    PB.get_or_try_init(py, || {
+        Ok(py.import("pickle")?.getattr("PickleBuffer")?.unbind())
+    })
+}
+
+/// `numpy.frombuffer`, imported on the first array received.
+fn frombuffer(py: Python<'_>) -> PyResult<&'static PyObject> {
+    static F: GILOnceCell<PyObject> = GILOnceCell::new();
+    F.get_or_try_init(py, || {
+        Ok(py.import("numpy")?.getattr("frombuffer")?.unbind())
+    })
+}
+
 /// Scalars and strings: values without buffers, pickled the short way.
 fn is_plain(obj: &Bound<'_, PyAny>) -> bool {
     use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
@@ -107,7 +159,8 @@ fn is_plain(obj: &Bound<'_, PyAny>) -> bool {
         || obj.is_exact_instance_of::<PyString>()
 }
 
-/// Pickle `obj` for an edge: protocol 5, out-of-band buffers kept apart.
+/// Encode `obj` for an edge: a plain numpy array as its bytes, `bytes`/`bytearray` as
+/// themselves, anything else pickled (protocol 5, out-of-band buffers kept apart).
 pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
     if let Ok(b) = obj.downcast_exact::<PyBytes>() {
         return Ok(PyValue {
@@ -123,6 +176,9 @@ pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
             data: Buffer::from(b.to_vec()),
             oob: Vec::new(),
         });
+    }
+    if let Some(v) = ndarray(py, obj)? {
+        return Ok(v);
     }
     let p = pickle(py)?;
     if is_plain(obj) {
@@ -164,7 +220,14 @@ pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
 /// Unpickle a value; its out-of-band buffers become [`ShmBuffer`]s, so a numpy array is a
 /// view of the memory the value arrived in (shared memory between processes).
 pub fn loads(py: Python<'_>, v: &PyValue) -> PyResult<PyObject> {
-    match v.kind {
+    match &v.kind {
+        Kind::NdArray { dtype, shape } => {
+            let data = Bound::new(py, ShmBuffer(v.data.clone()))?;
+            let flat = frombuffer(py)?.bind(py).call1((data, dtype.as_str()))?;
+            Ok(flat
+                .call_method1("reshape", (PyTuple::new(py, shape)?,))?
+                .unbind())
+        }
         Kind::Bytes => Ok(PyBytes::new(py, &v.data).into_any().unbind()),
         Kind::ByteArray => Ok(PyByteArray::new(py, &v.data).into_any().unbind()),
         Kind::Pickle => {
