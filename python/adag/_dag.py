@@ -290,10 +290,13 @@ class CompiledDAG:
                 "this graph was compiled without enable_asyncio; use execute(), or compile "
                 "with experimental_compile(enable_asyncio=True)"
             )
-        loop = asyncio.get_running_loop()
-        native = await loop.run_in_executor(
-            self._executor(), lambda: self._native.submit_async(*args, **kwargs)
-        )
+        native = self._native.try_submit_async(*args, **kwargs)
+        if native is None:
+            # Full: wait for room (up to _submit_timeout) on a thread of the graph.
+            loop = asyncio.get_running_loop()
+            native = await loop.run_in_executor(
+                self._executor(), lambda: self._native.submit_async(*args, **kwargs)
+            )
         if self._multi:
             return [CompiledDAGFuture(r, self) for r in native]
         return CompiledDAGFuture(native, self)

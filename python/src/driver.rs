@@ -325,6 +325,29 @@ impl NativeGraph {
         self.wrap(py, refs)
     }
 
+    /// Submit one execution of an `enable_asyncio` graph if there is room now, without
+    /// waiting (from the event loop's thread): one ref, a list of refs, or `None` when the
+    /// graph is full (nothing was submitted: call `submit_async` from an executor).
+    #[pyo3(signature = (*args, **kwargs))]
+    fn try_submit_async(
+        &self,
+        py: Python<'_>,
+        args: Bound<'_, PyTuple>,
+        kwargs: Option<Bound<'_, PyDict>>,
+    ) -> PyResult<Option<PyObject>> {
+        let g = self.live(py)?;
+        let input = self.input(py, &args, kwargs.as_ref())?;
+        // Polled once: `execute_async` is ready at once when there is room, and dropping it
+        // pending submits nothing (it is cancel-safe).
+        match py.allow_threads(|| poll_once(g.execute_async(input))) {
+            None => Ok(None),
+            Some(r) => {
+                let refs = r.map_err(|e| to_py_err(py, e))?;
+                self.wrap(py, refs).map(Some)
+            }
+        }
+    }
+
     /// Submit one execution of an `enable_asyncio` graph, waiting (up to the submit timeout)
     /// for room; called from a thread of the asyncio executor. One ref, or a list of refs.
     #[pyo3(signature = (*args, **kwargs))]
@@ -425,6 +448,15 @@ impl NativeGraph {
             parts.push(dumps(py, &obj)?);
         }
         Ok(PyInput { parts })
+    }
+}
+
+/// Poll a future once (a waker that does nothing): its output if it is ready at once.
+fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::pin::pin!(f).poll(&mut cx) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
     }
 }
 

@@ -71,3 +71,29 @@ def test_async_ref_is_not_read_with_get():
             compiled.teardown()
 
     asyncio.run(main())
+
+
+def test_async_capacity_and_room_freed_by_dropped_futures():
+    import gc
+
+    a = EchoActor.remote()
+
+    async def main():
+        with InputNode() as inp:
+            dag = a.echo.bind(inp)
+        compiled = dag.experimental_compile(enable_asyncio=True, _max_inflight_executions=1)
+        try:
+            first = await compiled.execute_async(1)
+            with pytest.raises(adag.CapacityExceededError):
+                await compiled.execute_async(2)
+            assert await first == 1
+            dropped = await compiled.execute_async(3)
+            del dropped
+            gc.collect()
+            # Full until the result of the dropped execution is discarded: this submission
+            # waits for that room (on a thread of the graph), then runs.
+            assert await (await compiled.execute_async(4)) == 4
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())
