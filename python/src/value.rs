@@ -62,6 +62,11 @@ impl AsRef<[u8]> for HeldBuffer {
 
 /// The bytes of `obj` (anything with the buffer protocol, C-contiguous), without a copy.
 fn buffer_of(obj: &Bound<'_, PyAny>) -> PyResult<Buffer> {
+    if let Ok(b) = obj.downcast_exact::<PyBytes>()
+        && b.as_bytes().len() < SMALL
+    {
+        return Ok(Buffer::copy_from_slice(b.as_bytes()));
+    }
     let buf = PyBuffer::<u8>::get(obj)?;
     if !buf.is_c_contiguous() {
         return Err(PyBufferError::new_err("the buffer is not C-contiguous"));
