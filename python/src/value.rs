@@ -6,7 +6,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyByteArray, PyBytes, PyList, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyList, PyMemoryView, PyTuple};
 use serde::{Deserialize, Serialize};
 use std::os::raw::c_int;
 
@@ -30,6 +30,9 @@ pub enum Kind {
     Bytes,
     /// A `bytearray`: its bytes are `data`.
     ByteArray,
+    /// A `memoryview`: its bytes are `data`; the reader gets a read-only `memoryview` of
+    /// them, in place.
+    MemoryView,
 }
 
 /// One Python object as it travels along an edge. Every `Buffer` of at least 16 KiB travels
@@ -164,8 +167,8 @@ fn is_plain(obj: &Bound<'_, PyAny>) -> bool {
         || obj.is_exact_instance_of::<PyString>()
 }
 
-/// Encode `obj` for an edge: a plain numpy array as its bytes, `bytes`/`bytearray` as
-/// themselves, anything else pickled (protocol 5, out-of-band buffers kept apart).
+/// Encode `obj` for an edge: a plain numpy array as its bytes, `bytes`/`bytearray`/
+/// `memoryview` as themselves, anything else pickled (protocol 5, out-of-band buffers kept apart).
 pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
     if let Ok(b) = obj.downcast_exact::<PyBytes>() {
         return Ok(PyValue {
@@ -179,6 +182,17 @@ pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
         return Ok(PyValue {
             kind: Kind::ByteArray,
             data: Buffer::from(b.to_vec()),
+            oob: Vec::new(),
+        });
+    }
+    if obj.is_exact_instance_of::<PyMemoryView>() {
+        // Bytes, whatever the view's format (a copy if it is not contiguous).
+        let flat = obj
+            .call_method1("cast", ("B",))
+            .or_else(|_| obj.call_method0("tobytes"))?;
+        return Ok(PyValue {
+            kind: Kind::MemoryView,
+            data: buffer_of(&flat)?,
             oob: Vec::new(),
         });
     }
@@ -235,6 +249,10 @@ pub fn loads(py: Python<'_>, v: &PyValue) -> PyResult<PyObject> {
         }
         Kind::Bytes => Ok(PyBytes::new(py, &v.data).into_any().unbind()),
         Kind::ByteArray => Ok(PyByteArray::new(py, &v.data).into_any().unbind()),
+        Kind::MemoryView => {
+            let data = Bound::new(py, ShmBuffer(v.data.clone()))?;
+            Ok(PyMemoryView::from(data.as_any())?.into_any().unbind())
+        }
         Kind::Pickle => {
             let p = pickle(py)?;
             if v.oob.is_empty() && v.data.len() < SMALL {

@@ -137,3 +137,23 @@ def test_lambdas_travel_by_value(pair):
         assert f(1) == 2
     finally:
         compiled.teardown()
+
+
+def test_memoryview_is_read_in_place(pair):
+    a, _ = pair
+    with InputNode() as inp:
+        dag = a.echo.bind(inp)
+    compiled = dag.experimental_compile()
+    try:
+        data = bytes(range(256)) * 4096  # 1 MiB
+        out = compiled.execute(memoryview(data)).get()
+        assert isinstance(out, memoryview)
+        assert out.readonly
+        assert isinstance(out.obj, adag._native.ShmBuffer)
+        assert out.tobytes() == data
+        # A view of another format travels as its bytes.
+        ints = memoryview(np.arange(1000, dtype=np.int32))
+        back = compiled.execute(ints).get()
+        assert back.tobytes() == ints.tobytes()
+    finally:
+        compiled.teardown()
