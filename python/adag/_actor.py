@@ -148,7 +148,12 @@ class ActorHandle:
         def run() -> Any:
             resolved = [a.get() if isinstance(a, ObjectRef) else a for a in args]
             kw = {k: (v.get() if isinstance(v, ObjectRef) else v) for k, v in kwargs.items()}
-            template, deps = _template(resolved, kw, lambda n: None)
+            template, deps = _template(resolved, kw)
+            if deps:
+                raise TypeError(
+                    f"{method}.remote(...) takes values (or ObjectRefs), not graph nodes; "
+                    "use .bind(...) to build a graph"
+                )
             return self._native.call(method, template)
 
         return ObjectRef(self._calls.submit(run))

@@ -8,10 +8,10 @@ import atexit
 import concurrent.futures
 import pickle
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _native
-from .exceptions import ChannelClosedError, CompileError, WrongModeError
+from .exceptions import CompileError, WrongModeError
 
 
 def _dumps_code(obj: Any) -> bytes:
@@ -25,7 +25,7 @@ def _dumps_code(obj: Any) -> bytes:
         return pickle.dumps(obj, protocol=5)
 
 
-def _template(args: Sequence[Any], kwargs: Dict[str, Any], dep_of: Callable[[Any], Optional[int]]) -> Tuple[bytes, List[Any]]:
+def _template(args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[bytes, List[Any]]:
     """The pickled call template of a bound method, and its node arguments in order.
 
     The template is ``(args, arg_slots, kwargs or None, kw_slots)``: positional constants with
@@ -250,7 +250,7 @@ class CompiledDAG:
 
         specs = []
         for n in order:
-            template, deps = _template(n._args, n._kwargs, lambda x: None)
+            template, deps = _template(n._args, n._kwargs)
             specs.append((n._actor._native, n._method, template, [arg_index(d) for d in deps]))
         part_specs = [
             ("whole",) if isinstance(p, InputNode) else (p._kind, p._what) for p in parts
@@ -311,10 +311,7 @@ class CompiledDAG:
 
     def visualize(self) -> str:
         """The graph and each actor's schedule as Graphviz DOT text."""
-        try:
-            return self._native.visualize()
-        except ChannelClosedError:
-            raise
+        return self._native.visualize()
 
     def __del__(self) -> None:
         try:

@@ -162,6 +162,9 @@ def test_misuse_is_explained(actors):
     with pytest.raises(TypeError, match="unknown actor options"):
         EchoActor.options(colour="red")
     with InputNode() as inp:
+        with pytest.raises(TypeError, match="bind"):
+            actors[0].echo.remote(inp).get(timeout=30)
+    with InputNode() as inp:
         node = actors[0].no_such_method.bind(inp)
     with pytest.raises(adag.TaskError, match="no_such_method"):
         compiled = node.experimental_compile()
