@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import os
 import pickle
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -179,6 +180,16 @@ class MultiOutputNode(DAGNode):
 CompiledDAGRef = _native.CompiledDAGRef
 
 
+def _ready(fd: int, waiter: "asyncio.Future[None]") -> None:
+    """The eventfd of an awaited ref became readable: drain it and resume the await."""
+    try:
+        os.read(fd, 8)
+    except BlockingIOError:
+        pass
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class CompiledDAGFuture:
     """The result of one output of one execution of an ``enable_asyncio`` graph: ``await``
     it (Ray's ``CompiledDAGFuture``)."""
@@ -188,8 +199,19 @@ class CompiledDAGFuture:
         self._dag = dag
 
     def __await__(self):
+        # adag's future is polled on the loop's thread; while it is pending, the loop watches
+        # the eventfd its waker signals (no thread, no GIL needed to wake).
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._dag._executor(), self._native._wait, None).__await__()
+        while True:
+            done, value = self._native._poll()
+            if done:
+                return value
+            waiter = loop.create_future()
+            loop.add_reader(value, _ready, value, waiter)
+            try:
+                yield from waiter
+            finally:
+                loop.remove_reader(value)
 
     def get(self, timeout: Optional[float] = None) -> Any:
         """Wait for the value from synchronous code (a blocking call; ``timeout`` is not

@@ -392,6 +392,7 @@ impl NativeGraph {
         let mut refs = refs.into_iter().map(|r| CompiledDAGRef {
             r: Mutex::new(Some(r)),
             asyncio: self.asyncio,
+            polled: Mutex::new(None),
         });
         if self.multi {
             let list = refs
@@ -489,6 +490,28 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 pub struct CompiledDAGRef {
     r: Mutex<Option<CompiledRef<PyValue>>>,
     asyncio: bool,
+    /// The ref's future while an event loop awaits it (`_poll`).
+    polled: Mutex<Option<Polled>>,
+}
+
+type RefFut = std::pin::Pin<Box<dyn std::future::Future<Output = adag::Result<PyValue>> + Send>>;
+
+/// A ref being awaited: its future, and the eventfd its waker signals (the event loop watches
+/// it with `add_reader`; waking needs no GIL).
+struct Polled {
+    fut: RefFut,
+    wake: Arc<EventWake>,
+}
+
+struct EventWake(std::os::fd::OwnedFd);
+
+impl std::task::Wake for EventWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        let _ = rustix::io::write(&self.0, &1u64.to_ne_bytes());
+    }
 }
 
 #[pymethods]
@@ -507,6 +530,50 @@ impl CompiledDAGRef {
             ));
         }
         self.wait(py, timeout)
+    }
+
+    /// Poll the ref's future once from the event loop's thread: `(True, value)` when it is
+    /// ready, else `(False, fd)`: an eventfd that becomes readable when it is worth polling
+    /// again (drain it with `os.read(fd, 8)`).
+    fn _poll(&self, py: Python<'_>) -> PyResult<(bool, PyObject)> {
+        let mut polled = self.polled.lock();
+        if polled.is_none() {
+            let r = self.r.lock().take().ok_or_else(|| {
+                PyValueError::new_err(
+                    "this ref's value was already retrieved; a ref yields its value once",
+                )
+            })?;
+            let fd = rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+            )
+            .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("eventfd: {e}")))?;
+            *polled = Some(Polled {
+                fut: Box::pin(std::future::IntoFuture::into_future(r)),
+                wake: Arc::new(EventWake(fd)),
+            });
+        }
+        let p = polled.as_mut().expect("set above");
+        let waker = std::task::Waker::from(p.wake.clone());
+        let fut = &mut p.fut;
+        let got = py.allow_threads(|| {
+            let mut cx = std::task::Context::from_waker(&waker);
+            fut.as_mut().poll(&mut cx)
+        });
+        match got {
+            std::task::Poll::Pending => {
+                use std::os::fd::AsRawFd;
+                let fd = p.wake.0.as_raw_fd();
+                Ok((false, fd.into_pyobject(py)?.into_any().unbind()))
+            }
+            std::task::Poll::Ready(r) => {
+                // Done: the future and its eventfd go (a late wake writes to the eventfd the
+                // waker still holds, never to a reused fd number).
+                *polled = None;
+                let v = r.map_err(|e| to_py_err(py, e))?;
+                Ok((true, loads(py, &v)?))
+            }
+        }
     }
 
     /// `get` for the futures of `enable_asyncio` graphs, from an executor's thread.

@@ -80,19 +80,39 @@ def test_async_capacity_and_room_freed_by_dropped_futures():
 
     async def main():
         with InputNode() as inp:
-            dag = a.echo.bind(inp)
+            dag = a.sleep.bind(inp, "done")
         compiled = dag.experimental_compile(enable_asyncio=True, _max_inflight_executions=1)
         try:
-            first = await compiled.execute_async(1)
+            # Still running (0.3 s): its result is not read yet, so the graph is full.
+            first = await compiled.execute_async(0.3)
             with pytest.raises(adag.CapacityExceededError):
-                await compiled.execute_async(2)
-            assert await first == 1
-            dropped = await compiled.execute_async(3)
+                await compiled.execute_async(0)
+            assert await first == "done"
+            dropped = await compiled.execute_async(0.3)
             del dropped
             gc.collect()
-            # Full until the result of the dropped execution is discarded: this submission
-            # waits for that room (on a thread of the graph), then runs.
-            assert await (await compiled.execute_async(4)) == 4
+            # Full until the result of the dropped execution is read and discarded: this
+            # submission waits for that room (on a thread of the graph), then runs.
+            assert await (await compiled.execute_async(0)) == "done"
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())
+
+
+def test_await_with_a_timeout_then_again():
+    a = EchoActor.remote()
+
+    async def main():
+        with InputNode() as inp:
+            dag = a.sleep.bind(inp, "late")
+        compiled = dag.experimental_compile(enable_asyncio=True)
+        try:
+            fut = await compiled.execute_async(0.5)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(fut, 0.01)
+            # The cancelled wait gave nothing up: the same future still yields the value.
+            assert await asyncio.wait_for(fut, 30) == "late"
         finally:
             compiled.teardown()
 
