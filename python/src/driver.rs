@@ -593,6 +593,15 @@ impl CompiledDAGRef {
 impl CompiledDAGRef {
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyObject> {
         let timeout = secs("timeout", timeout)?;
+        if self.r.lock().is_none() {
+            // An await began with `_poll` and was cancelled: finish its future here.
+            if let Some(p) = self.polled.lock().take() {
+                let v = py
+                    .allow_threads(|| block_on(p.fut))
+                    .map_err(|e| to_py_err(py, e))?;
+                return loads(py, &v);
+            }
+        }
         let r = self.r.lock().clone().ok_or_else(|| {
             PyValueError::new_err(
                 "this ref's value was already retrieved; a ref yields its value once",

@@ -113,6 +113,11 @@ def test_await_with_a_timeout_then_again():
                 await asyncio.wait_for(fut, 0.01)
             # The cancelled wait gave nothing up: the same future still yields the value.
             assert await asyncio.wait_for(fut, 30) == "late"
+            # A blocking get of a future whose await was cancelled finishes it.
+            other = await compiled.execute_async(0.2)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(other, 0.01)
+            assert other.get() == "late"
         finally:
             compiled.teardown()
 
