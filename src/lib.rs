@@ -39,9 +39,14 @@ pub use value::{AnyValue, TypeTag, Value};
 /// returns; in any other process it does nothing. Called automatically before `main` in
 /// every executable that links adag, and by [`Runtime::new`]; calling it at the top of
 /// `main` is harmless.
+///
+/// It is also how a worker started by a command of [`set_worker_command`] becomes a worker:
+/// that command calls `init()` once adag is loaded.
 pub fn init() {
-    actor::worker::maybe_run_worker();
+    actor::worker::maybe_run_worker_explicit();
 }
+
+pub use actor::worker::set_worker_command;
 
 #[doc(hidden)]
 pub mod __private {

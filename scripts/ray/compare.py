@@ -15,6 +15,11 @@ table with ratios, and writes docs/benchmarks.json and docs/benchmarks.png.
 Ratios are adag / Ray. For latency (p50, p99) lower is better, so a ratio below 1 means
 adag is faster. For throughput and GB/s higher is better, so a ratio above 1 means adag is
 faster. Without Ray (no venv, or `import ray` fails) it measures adag alone and says so.
+
+adag's Python package (`python/`, installed in target/py-venv by `.ci/run` or
+`pip install ./python`) runs the same Python workloads (`workloads.py --system adag`) in every
+round too, and gets a second table beside Ray (both in Python): `--py-python` names its
+interpreter, `--no-py` skips it.
 """
 
 import argparse
@@ -85,6 +90,15 @@ def ray_available(python):
     return None
 
 
+def adag_python_available(python):
+    if not os.path.exists(python):
+        return f"{python} does not exist (pip install ./python into a venv there, as .ci/run does)"
+    r = subprocess.run([python, "-c", "import adag._native, numpy"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"`import adag._native` failed in {python}"
+    return None
+
+
 def fmt(v, digits=None):
     if v is None:
         return "-"
@@ -109,10 +123,10 @@ def ratio(a, b):
     return a / b
 
 
-def table(adag, ray):
+def table(adag, ray, name="adag"):
     keys = list(adag) + [k for k in ray if k not in adag]
-    header = ["workload", "adag p50 µs", "Ray p50 µs", "p50 adag/Ray", "adag p99 µs", "Ray p99 µs",
-              "adag /s", "Ray /s", "/s adag/Ray", "adag GB/s", "Ray GB/s"]
+    header = ["workload", f"{name} p50 µs", "Ray p50 µs", f"p50 {name}/Ray", f"{name} p99 µs", "Ray p99 µs",
+              f"{name} /s", "Ray /s", f"/s {name}/Ray", f"{name} GB/s", "Ray GB/s"]
     rows = []
     for k in keys:
         a, r = adag.get(k, {}), ray.get(k, {})
@@ -192,6 +206,9 @@ def main():
     p.add_argument("--ray-args", default="", help="extra arguments of workloads.py (e.g. '--iters 2000')")
     p.add_argument("--no-ray", action="store_true", help="measure adag only")
     p.add_argument("--no-hosts", action="store_true", help="skip Ray's cross-host runner (scripts/ray/hosts.py)")
+    p.add_argument("--py-python", default=os.path.join(ROOT, "target", "py-venv", "bin", "python"),
+                   help="the interpreter with adag's Python package (python/)")
+    p.add_argument("--no-py", action="store_true", help="do not measure adag's Python package")
     p.add_argument("--out-dir", default=os.path.join(ROOT, "docs"), help="where benchmarks.json/.png go (default docs/)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds one runner may take")
     args = p.parse_args()
@@ -210,13 +227,21 @@ def main():
         ray_cmds.append([args.ray_python, os.path.join(ROOT, "scripts", "ray", "hosts.py")] + common
                         + args.ray_args.split())
 
-    adag_reports, ray_reports = [], []
+    py_missing = "--no-py given" if args.no_py else adag_python_available(args.py_python)
+    if py_missing:
+        print(f"adag's Python package is not measured: {py_missing}", file=sys.stderr)
+    py_cmd = [args.py_python, os.path.join(ROOT, "scripts", "ray", "workloads.py"), "--system", "adag"] + common \
+        + args.ray_args.split()
+
+    adag_reports, ray_reports, py_reports = [], [], []
     for r in range(args.rounds):
         steps = [("adag", adag_cmd, adag_reports)]
+        if not py_missing:
+            steps.append(("adag-python", py_cmd, py_reports))
         if not ray_missing:
             steps.append(("ray", ray_cmds, ray_reports))
-            if r % 2 == 1:
-                steps.reverse()
+        if r % 2 == 1:
+            steps.reverse()
         for name, cmd, sink in steps:
             label = f"round {r + 1}/{args.rounds} {name}"
             if name == "ray":
@@ -226,8 +251,13 @@ def main():
 
     adag = median_rows(adag_reports)
     ray = median_rows(ray_reports) if ray_reports else {}
+    py = median_rows(py_reports) if py_reports else {}
     print(table(adag, ray))
-    for name, reps in (("adag", adag_reports), ("Ray", ray_reports)):
+    if py:
+        print("\nadag's Python package (python/) against Ray, both driven from Python by the same "
+              "workloads.py:\n")
+        print(table(py, ray, "adag-py"))
+    for name, reps in (("adag", adag_reports), ("adag-py", py_reports), ("Ray", ray_reports)):
         loads = ", ".join(f"{r.get('load_before', [float('nan')])[0]:.2f}→{r.get('load_after', [float('nan')])[0]:.2f}" for r in reps)
         if loads:
             print(f"1-min load average per {name} round (before→after): {loads}")
@@ -251,6 +281,8 @@ def main():
         "ray_missing": ray_missing,
         "ratio_convention": "adag / Ray; latency: lower is better; throughput and GB/s: higher is better",
         "adag": adag,
+        "adag_python": py,
+        "adag_python_command": None if py_missing else " ".join(py_cmd),
         "ray": ray,
         "ratios": {
             k: {
@@ -261,7 +293,17 @@ def main():
             for k in adag
             if k in ray
         },
-        "rounds_raw": {"adag": adag_reports, "ray": ray_reports},
+        "python_ratios": {
+            k: {
+                "p50": ratio(py[k].get("p50_us"), ray[k].get("p50_us")),
+                "p99": ratio(py[k].get("p99_us"), ray[k].get("p99_us")),
+                "throughput": ratio(py[k].get("throughput_per_s"), ray[k].get("throughput_per_s")),
+                "gb_per_s": ratio(py[k].get("gb_per_s"), ray[k].get("gb_per_s")),
+            }
+            for k in py
+            if k in ray
+        },
+        "rounds_raw": {"adag": adag_reports, "adag_python": py_reports, "ray": ray_reports},
     }
     json_path = os.path.join(args.out_dir, "benchmarks.json")
     with open(json_path, "w") as fh:

@@ -7,6 +7,10 @@ placement is always "process"), so that scripts/ray/compare.py can put both side
 
     target/ray-venv/bin/python scripts/ray/workloads.py --json /tmp/ray.json
     target/ray-venv/bin/python scripts/ray/workloads.py --quick --filter chain3
+    target/py-venv/bin/python scripts/ray/workloads.py --system adag --json /tmp/adag-py.json
+
+`--system adag` runs the very same code against adag's Python package (`python/`): the port
+is the two imports below, `import adag as ray` and adag's `InputNode`/`MultiOutputNode`.
 
 Latency = one synchronous round trip (`execute` + `ray.get`) timed with perf_counter_ns;
 p50/p99 are percentiles of those samples. Throughput = executions per second of wall time
@@ -24,8 +28,17 @@ import time
 from collections import deque
 
 import numpy as np
-import ray
-from ray.dag import InputNode, MultiOutputNode
+
+# Which system runs the workloads: decided before the imports, which are the whole port.
+SYSTEM = "adag" if "--system=adag" in sys.argv or any(
+    a == "--system" and sys.argv[i + 1 : i + 2] == ["adag"] for i, a in enumerate(sys.argv)
+) else "ray"
+if SYSTEM == "adag":
+    import adag as ray
+    from adag import InputNode, MultiOutputNode
+else:
+    import ray
+    from ray.dag import InputNode, MultiOutputNode
 
 NS = time.perf_counter_ns
 
@@ -369,6 +382,8 @@ def main():
     p.add_argument("--iters", type=int, help="measured round trips of the small-message workloads")
     p.add_argument("--filter", help="run only workloads whose key contains this substring")
     p.add_argument("--json", help="also write the results as JSON to this file")
+    p.add_argument("--system", choices=("ray", "adag"), default="ray",
+                   help="run against Ray Compiled Graphs (default) or adag's Python package")
     p.add_argument("--keep-shm", action="store_true",
                    help="leave the sem.* files Ray leaves in /dev/shm (by default they are counted, then removed)")
     args = p.parse_args()
@@ -378,7 +393,7 @@ def main():
     load_before = list(os.getloadavg())
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              logging_level="ERROR", configure_logging=True)
-    print(f"ray {ray.__version__}: {os.cpu_count()} CPU(s)", file=sys.stderr, flush=True)
+    print(f"{SYSTEM} {ray.__version__}: {os.cpu_count()} CPU(s)", file=sys.stderr, flush=True)
     b = Bench(args)
     try:
         for step in (b.echo, b.call, b.chain3, b.fanout4, b.payloads, b.async_echo, b.compile):
@@ -402,7 +417,7 @@ def main():
         sys.exit(f"no workload matches --filter {args.filter!r}")
     print_table(b.rows)
     if args.json:
-        report = {"system": "ray", "version": ray.__version__, "quick": args.quick, "machine": machine(),
+        report = {"system": SYSTEM, "version": ray.__version__, "quick": args.quick, "machine": machine(),
                   "load_before": load_before, "load_after": load_after,
                   "leaked_dev_shm_files": len(leaked), "results": b.rows}
         with open(args.json, "w") as fh:

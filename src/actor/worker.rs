@@ -30,6 +30,25 @@ const WORKER_FD: i32 = 100;
 const ENV_FD: &str = "ADAG_WORKER_FD";
 const ENV_PARENT: &str = "ADAG_WORKER_PARENT";
 const ENV_NAME: &str = "ADAG_WORKER_NAME";
+/// Set to `explicit` in workers started by a command of [`set_worker_command`]: the start-up
+/// hook leaves them alone, and the program enters the worker by calling [`crate::init`].
+const ENV_ENTRY: &str = "ADAG_WORKER_ENTRY";
+
+/// The program and arguments that start a worker process, when not this executable.
+static WORKER_COMMAND: Mutex<Option<(std::path::PathBuf, Vec<String>)>> = Mutex::new(None);
+
+/// Start worker processes with `program args..` instead of this executable run again.
+///
+/// For hosts whose executable does not reach adag before `main` (an interpreter that loads
+/// adag as a library, such as the Python package): the command must load the same adag build
+/// and call [`crate::init`], which runs the worker and never returns. The start-up hook does
+/// not turn such a worker into one by itself (it is told so by the `ADAG_WORKER_ENTRY`
+/// variable), since it would run the worker inside the library's loading. Applies to the
+/// workers of this process's runtimes spawned afterwards; `None` restores the default. (Hosts
+/// that join a cluster still start their workers from their own executable.)
+pub fn set_worker_command(command: Option<(std::path::PathBuf, Vec<String>)>) {
+    *WORKER_COMMAND.lock() = command;
+}
 
 /// Called when a worker process dies; implemented by live graphs.
 pub(crate) trait DeathSink: Send + Sync {
@@ -126,8 +145,18 @@ fn exit_reason(status: std::process::ExitStatus) -> String {
 }
 
 fn spawn_child(name: &str, child_sock: OwnedFd) -> std::io::Result<Child> {
-    let exe = std::env::current_exe()?;
-    let mut cmd = Command::new(exe);
+    let mut cmd = match WORKER_COMMAND.lock().clone() {
+        Some((program, args)) => {
+            let mut cmd = Command::new(program);
+            cmd.args(args).env(ENV_ENTRY, "explicit");
+            cmd
+        }
+        None => {
+            let mut cmd = Command::new(std::env::current_exe()?);
+            cmd.env_remove(ENV_ENTRY);
+            cmd
+        }
+    };
     cmd.env(ENV_FD, WORKER_FD.to_string())
         .env(ENV_PARENT, std::process::id().to_string())
         .env(ENV_NAME, name)
@@ -536,7 +565,17 @@ fn read_replies(link: &LinkShared) {
 }
 
 /// If this process was started as a worker, run it and exit; otherwise return at once.
+/// Workers started by a [`set_worker_command`] command are left to [`maybe_run_worker_explicit`].
 pub(crate) fn maybe_run_worker() {
+    if std::env::var_os(ENV_ENTRY).is_some_and(|v| v == "explicit") {
+        return;
+    }
+    maybe_run_worker_explicit();
+}
+
+/// [`maybe_run_worker`] for every worker, those started by a [`set_worker_command`] command
+/// included (what [`crate::init`] calls).
+pub(crate) fn maybe_run_worker_explicit() {
     static STARTED: AtomicBool = AtomicBool::new(false);
     let (Ok(fd), Ok(parent)) = (std::env::var(ENV_FD), std::env::var(ENV_PARENT)) else {
         return;

@@ -1,0 +1,345 @@
+//! The one Rust actor type behind every Python actor: it builds the user's class from its
+//! pickled form in the worker process and calls its methods by name.
+//!
+//! adag's method tables are static, so `PyActor` exports `call0` .. `call7`: `callN` takes a
+//! [`CallSpec`] (a constant argument of the node: the Python method's name and its constant
+//! arguments) and `N` node arguments, each a [`PyValue`].
+use crate::value::{PyValue, dumps, loads};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::fmt;
+
+/// How a Python actor is built in its worker.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PyInit {
+    /// The class, cloudpickled.
+    #[serde(with = "serde_bytes")]
+    pub class: Vec<u8>,
+    /// `(args, kwargs)` of the constructor, pickled.
+    pub args: PyValue,
+    /// The driver's `sys.path`, so that classes pickled by reference import in the worker.
+    pub sys_path: Vec<String>,
+}
+
+/// One bound method call: the constant part of a node.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CallSpec {
+    /// Unique per bound node: the worker caches the looked-up method and arguments under it.
+    pub key: u64,
+    /// The Python method's name.
+    pub method: String,
+    /// The arguments as a pickled template (see `adag/_dag.py`, `_template`): the constant
+    /// arguments, and where each node argument goes.
+    #[serde(with = "serde_bytes")]
+    pub template: Vec<u8>,
+}
+
+/// A Python exception raised by a method, as it travels to the driver: its text, and (as its
+/// `source`, the second element of the error's chain) the hex of a pickle of
+/// `(method name, traceback text, the exception or None)`.
+#[derive(Debug)]
+pub struct PyFailure {
+    text: String,
+    detail: Detail,
+}
+
+/// The hex-encoded pickle of a [`PyFailure`]'s details.
+#[derive(Debug)]
+pub struct Detail(pub String);
+
+impl fmt::Display for Detail {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Detail {}
+
+impl fmt::Display for PyFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl std::error::Error for PyFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.detail)
+    }
+}
+
+/// Marks a task error's `error_type` as one of a Python method (see [`PyFailure`]).
+pub const FAILURE_TYPE: &str = "PyFailure";
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+impl PyFailure {
+    fn of(py: Python<'_>, err: PyErr, method: &str) -> PyFailure {
+        if let Some(tb) = err.traceback(py) {
+            let _ = err.value(py).setattr("__traceback__", tb);
+        }
+        let described = py
+            .import("adag._errors")
+            .and_then(|m| m.getattr("describe_exception"))
+            .and_then(|f| f.call1((err.value(py), method)))
+            .and_then(|r| r.extract::<(String, Vec<u8>)>());
+        match described {
+            Ok((text, detail)) => PyFailure {
+                text,
+                detail: Detail(hex(&detail)),
+            },
+            Err(_) => PyFailure {
+                text: err.to_string(),
+                detail: Detail(String::new()),
+            },
+        }
+    }
+}
+
+/// A call template as pickled by `adag/_dag.py`: positional constants, `(position, node
+/// argument)` pairs, keyword constants, `(keyword, node argument)` pairs.
+type Template<'py> = (
+    Bound<'py, PyList>,
+    Vec<(usize, usize)>,
+    Option<Bound<'py, PyDict>>,
+    Vec<(String, usize)>,
+);
+
+/// The worker's view of one bound call, built the first time it runs.
+struct Bound_ {
+    method: PyObject,
+    /// Positional constants, with `None` where a node argument goes.
+    args: Vec<PyObject>,
+    /// Which positions take which node argument.
+    arg_slots: Vec<(usize, usize)>,
+    kwargs: Option<Py<PyDict>>,
+    kw_slots: Vec<(String, usize)>,
+}
+
+/// A Python actor: an instance of the user's class in this worker process.
+pub struct PyActor {
+    instance: PyObject,
+    calls: HashMap<u64, Bound_>,
+}
+
+fn spawn_error(py: Python<'_>, e: PyErr) -> String {
+    let tb = py
+        .import("adag._errors")
+        .and_then(|m| m.getattr("format_exception"))
+        .and_then(|f| f.call1((e.value(py),)))
+        .and_then(|s| s.extract::<String>());
+    tb.unwrap_or_else(|_| e.to_string())
+}
+
+impl PyActor {
+    fn call(&mut self, spec: CallSpec, values: Vec<PyValue>) -> Result<PyValue, PyFailure> {
+        Python::with_gil(|py| {
+            self.call_in(py, &spec, values)
+                .map_err(|e| PyFailure::of(py, e, &spec.method))
+        })
+    }
+
+    fn call_in(
+        &mut self,
+        py: Python<'_>,
+        spec: &CallSpec,
+        values: Vec<PyValue>,
+    ) -> PyResult<PyValue> {
+        if !self.calls.contains_key(&spec.key) {
+            let bound = self.prepare(py, spec)?;
+            self.calls.insert(spec.key, bound);
+        }
+        let b = &self.calls[&spec.key];
+        let mut args: Vec<PyObject> = b.args.iter().map(|a| a.clone_ref(py)).collect();
+        let mut values: Vec<Option<PyObject>> = values
+            .iter()
+            .map(|v| loads(py, v).map(Some))
+            .collect::<PyResult<_>>()?;
+        for &(pos, i) in &b.arg_slots {
+            args[pos] = take(py, &mut values, i);
+        }
+        let args = PyTuple::new(py, args)?;
+        let kwargs = match &b.kwargs {
+            None => None,
+            Some(k) => {
+                let k = k.bind(py).copy()?;
+                for (name, i) in &b.kw_slots {
+                    k.set_item(name, take(py, &mut values, *i))?;
+                }
+                Some(k)
+            }
+        };
+        let out = b.method.bind(py).call(args, kwargs.as_ref())?;
+        dumps(py, &out)
+    }
+
+    fn prepare(&self, py: Python<'_>, spec: &CallSpec) -> PyResult<Bound_> {
+        // Collectives run a function of `adag._collective` on the actor (see that module).
+        let method = match spec.method.strip_prefix(COLLECTIVE_PREFIX) {
+            Some(f) => py.import("adag._collective")?.getattr(f)?,
+            None => self.instance.bind(py).getattr(spec.method.as_str())?,
+        };
+        let t = py
+            .import("pickle")?
+            .getattr("loads")?
+            .call1((pyo3::types::PyBytes::new(py, &spec.template),))?;
+        // (args, arg_slots, kwargs or None, kw_slots): see adag/_dag.py.
+        let (args, arg_slots, kwargs, kw_slots): Template<'_> = t.extract()?;
+        Ok(Bound_ {
+            method: method.unbind(),
+            args: args.iter().map(Bound::unbind).collect(),
+            arg_slots,
+            kwargs: kwargs.map(Bound::unbind),
+            kw_slots,
+        })
+    }
+}
+
+/// Give the actor's thread a Python thread state for good, so that each call's
+/// `Python::with_gil` finds it: otherwise every call creates and destroys one (with its frame
+/// stack, mapped and unmapped each time), which costs more than the call itself.
+fn keep_thread_state() {
+    // SAFETY: the interpreter is initialized (this is a worker started by `python`), and this
+    // thread holds no GIL yet: PyGILState_Ensure creates its thread state and takes the GIL,
+    // PyEval_SaveThread releases the GIL and keeps the state. The state is never released, so
+    // the Ensure is never unmatched by a release that would destroy it under a later caller.
+    unsafe {
+        let _ = pyo3::ffi::PyGILState_Ensure();
+        let _ = pyo3::ffi::PyEval_SaveThread();
+    }
+}
+
+/// Node argument `i` (a new reference: one node may fill several places).
+fn take(py: Python<'_>, values: &mut [Option<PyObject>], i: usize) -> PyObject {
+    match values.get_mut(i) {
+        Some(v) => v.as_ref().map_or_else(|| py.None(), |o| o.clone_ref(py)),
+        None => py.None(),
+    }
+}
+
+#[adag::actor]
+impl PyActor {
+    /// Build the user's class in this worker.
+    pub fn new(init: PyInit) -> Result<Self, String> {
+        keep_thread_state();
+        Python::with_gil(|py| {
+            let built = (|| -> PyResult<PyObject> {
+                let sys_path = py.import("sys")?.getattr("path")?;
+                for p in init.sys_path.iter().rev() {
+                    if !sys_path.contains(p)? {
+                        sys_path.call_method1("insert", (0, p))?;
+                    }
+                }
+                let class = py
+                    .import("pickle")?
+                    .getattr("loads")?
+                    .call1((pyo3::types::PyBytes::new(py, &init.class),))?;
+                let (args, kwargs): (Bound<'_, PyTuple>, Bound<'_, PyDict>) =
+                    loads(py, &init.args)?.bind(py).extract()?;
+                Ok(class.call(args, Some(&kwargs))?.unbind())
+            })();
+            match built {
+                Ok(instance) => Ok(PyActor {
+                    instance,
+                    calls: HashMap::new(),
+                }),
+                Err(e) => Err(spawn_error(py, e)),
+            }
+        })
+    }
+
+    /// A method with no node argument.
+    pub fn call0(&mut self, spec: CallSpec) -> Result<PyValue, PyFailure> {
+        self.call(spec, vec![])
+    }
+
+    /// A method with one node argument.
+    pub fn call1(&mut self, spec: CallSpec, a: PyValue) -> Result<PyValue, PyFailure> {
+        self.call(spec, vec![a])
+    }
+
+    /// A method with two node arguments.
+    pub fn call2(&mut self, spec: CallSpec, a: PyValue, b: PyValue) -> Result<PyValue, PyFailure> {
+        self.call(spec, vec![a, b])
+    }
+
+    /// A method with three node arguments.
+    pub fn call3(
+        &mut self,
+        spec: CallSpec,
+        a: PyValue,
+        b: PyValue,
+        c: PyValue,
+    ) -> Result<PyValue, PyFailure> {
+        self.call(spec, vec![a, b, c])
+    }
+
+    /// A method with four node arguments.
+    pub fn call4(
+        &mut self,
+        spec: CallSpec,
+        a: PyValue,
+        b: PyValue,
+        c: PyValue,
+        d: PyValue,
+    ) -> Result<PyValue, PyFailure> {
+        self.call(spec, vec![a, b, c, d])
+    }
+
+    /// A method with five node arguments.
+    pub fn call5(
+        &mut self,
+        spec: CallSpec,
+        a: PyValue,
+        b: PyValue,
+        c: PyValue,
+        d: PyValue,
+        e: PyValue,
+    ) -> Result<PyValue, PyFailure> {
+        self.call(spec, vec![a, b, c, d, e])
+    }
+
+    /// A method with six node arguments.
+    #[allow(clippy::too_many_arguments)]
+    pub fn call6(
+        &mut self,
+        spec: CallSpec,
+        a: PyValue,
+        b: PyValue,
+        c: PyValue,
+        d: PyValue,
+        e: PyValue,
+        f: PyValue,
+    ) -> Result<PyValue, PyFailure> {
+        self.call(spec, vec![a, b, c, d, e, f])
+    }
+
+    /// A method with seven node arguments.
+    #[allow(clippy::too_many_arguments)]
+    pub fn call7(
+        &mut self,
+        spec: CallSpec,
+        a: PyValue,
+        b: PyValue,
+        c: PyValue,
+        d: PyValue,
+        e: PyValue,
+        f: PyValue,
+        g: PyValue,
+    ) -> Result<PyValue, PyFailure> {
+        self.call(spec, vec![a, b, c, d, e, f, g])
+    }
+}
+
+/// The method name prefix of a collective's step (`adag/_collective.py`).
+pub const COLLECTIVE_PREFIX: &str = "__adag_collective__.";
+
+/// The most node arguments one bound call may take.
+pub const MAX_NODE_ARGS: usize = 7;

@@ -1,0 +1,626 @@
+//! The driver's side: spawning Python actors, compiling a graph described by `adag/_dag.py`,
+//! executing it and claiming its refs. Every call that may wait releases the GIL.
+use crate::actor::{CallSpec, MAX_NODE_ARGS, PyActor, PyInit};
+use crate::value::{PyValue, dumps, loads};
+use adag::{
+    ActorHandle, CompileOptions, CompiledGraph, CompiledRef, Dag, ErasedArg, Error, Node,
+    Placement, Runtime, SpawnOptions,
+};
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use serde::{Deserialize, Serialize};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+/// The driver's input of one execution: one pickled value per input part the graph reads.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PyInput {
+    parts: Vec<PyValue>,
+}
+
+fn runtime() -> PyResult<&'static Runtime> {
+    static RT: OnceLock<Runtime> = OnceLock::new();
+    if let Some(rt) = RT.get() {
+        return Ok(rt);
+    }
+    let rt = Runtime::new().map_err(|e| Python::with_gil(|py| to_py_err(py, e)))?;
+    Ok(RT.get_or_init(|| rt))
+}
+
+/// An `adag::Error` as the Python exception `adag/_errors.py` makes of it.
+pub fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
+    let (kind, fields): (&str, Vec<PyObject>) = match &e {
+        Error::Task {
+            actor,
+            method,
+            message,
+            chain,
+            error_type,
+            ..
+        } => {
+            let detail = match error_type.as_deref() {
+                Some(t) if t.ends_with(crate::actor::FAILURE_TYPE) && chain.len() > 1 => {
+                    Some(chain[chain.len() - 1].clone())
+                }
+                _ => None,
+            };
+            let text = match error_type.as_deref() {
+                Some(t) if t.ends_with(crate::actor::FAILURE_TYPE) => {
+                    chain.first().cloned().unwrap_or_default()
+                }
+                _ => message.clone(),
+            };
+            (
+                "task",
+                vec![
+                    actor.into_pyobject(py).unwrap().into_any().unbind(),
+                    method.into_pyobject(py).unwrap().into_any().unbind(),
+                    text.into_pyobject(py).unwrap().into_any().unbind(),
+                    detail.into_pyobject(py).unwrap().into_any().unbind(),
+                ],
+            )
+        }
+        Error::ActorDied { .. } | Error::Spawn { .. } => ("actor_died", vec![]),
+        Error::Timeout { .. } => ("timeout", vec![]),
+        Error::CapacityExceeded { .. } => ("capacity", vec![]),
+        Error::TornDown { .. } => ("closed", vec![]),
+        Error::WrongMode { .. } => ("wrong_mode", vec![]),
+        Error::Compile { .. }
+        | Error::Config { .. }
+        | Error::Input { .. }
+        | Error::InvalidArgument { .. } => ("value", vec![]),
+        Error::AlreadyClaimed { .. } => ("claimed", vec![]),
+        Error::ActorBusy { .. } => ("busy", vec![]),
+        _ => ("other", vec![]),
+    };
+    let made = py
+        .import("adag._errors")
+        .and_then(|m| m.getattr("from_native"))
+        .and_then(|f| f.call1((kind, e.to_string(), PyTuple::new(py, fields)?)));
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(err) => err,
+    }
+}
+
+fn secs(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
+    match v {
+        None => Ok(None),
+        Some(s) if s < 0.0 => Ok(Some(Duration::MAX)),
+        Some(s) if s.is_finite() => Ok(Some(Duration::from_secs_f64(s))),
+        Some(_) => Err(PyValueError::new_err(format!(
+            "{name} must be a number of seconds"
+        ))),
+    }
+}
+
+/// A Python actor: its worker process and the handle that binds and calls its methods.
+#[pyclass(module = "adag._native", frozen)]
+pub struct NativeActor {
+    handle: ActorHandle<PyActor>,
+}
+
+#[pymethods]
+impl NativeActor {
+    /// The actor's name.
+    #[getter]
+    fn name(&self) -> String {
+        self.handle.name().to_string()
+    }
+
+    /// The worker's process id.
+    #[getter]
+    fn pid(&self) -> Option<u32> {
+        self.handle.pid()
+    }
+
+    /// Kill the worker process (SIGKILL); its graph, if any, is torn down.
+    fn kill(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.handle.kill())
+            .map_err(|e| to_py_err(py, e))
+    }
+
+    /// A one-off call: `method(*args, **kwargs)` in the worker, all arguments constants
+    /// (a pickled template with no node argument).
+    fn call(&self, py: Python<'_>, method: String, template: Vec<u8>) -> PyResult<PyObject> {
+        let spec = CallSpec {
+            key: fresh_key(),
+            method,
+            template,
+        };
+        let r = py.allow_threads(|| self.handle.call().call0(spec));
+        let v = r.map_err(|e| to_py_err(py, e))?;
+        loads(py, &v)
+    }
+}
+
+fn fresh_key() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    // Keys of one driver; a worker serves one driver.
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Spawn a Python actor in a worker process of its own.
+#[pyfunction]
+#[pyo3(signature = (class_bytes, args, kwargs, sys_path, name=None))]
+pub fn spawn(
+    py: Python<'_>,
+    class_bytes: Vec<u8>,
+    args: Bound<'_, PyTuple>,
+    kwargs: Bound<'_, PyDict>,
+    sys_path: Vec<String>,
+    name: Option<String>,
+) -> PyResult<NativeActor> {
+    let init = PyInit {
+        class: class_bytes,
+        args: dumps(
+            py,
+            PyTuple::new(py, [args.into_any(), kwargs.into_any()])?.as_any(),
+        )?,
+        sys_path,
+    };
+    let rt = runtime()?;
+    let mut options = SpawnOptions::default();
+    if let Some(n) = name {
+        options = options.name(n);
+    }
+    let handle = py
+        .allow_threads(|| rt.spawn_with::<PyActor>(Placement::Process, options, init))
+        .map_err(|e| to_py_err(py, e))?;
+    Ok(NativeActor { handle })
+}
+
+/// Which part of `execute(*args, **kwargs)` an input part is.
+enum Selector {
+    Whole,
+    Index(usize),
+    Key(String),
+}
+
+/// One method node as `adag/_dag.py` describes it: the actor, the Python method, the pickled
+/// call template, and the node arguments (`a >= 0`: node `a`; `a < 0`: input part `-a - 1`).
+type NodeSpec = (Py<NativeActor>, String, Vec<u8>, Vec<i64>);
+
+type Graph = CompiledGraph<PyInput, Vec<Node<PyValue>>>;
+
+/// A compiled graph of Python actors.
+#[pyclass(module = "adag._native", frozen)]
+pub struct NativeGraph {
+    graph: Mutex<Option<Arc<Graph>>>,
+    parts: Vec<Selector>,
+    asyncio: bool,
+    /// `execute` returns a list (a `MultiOutputNode`), not one ref.
+    multi: bool,
+}
+
+fn options_from(opts: &Bound<'_, PyDict>) -> PyResult<CompileOptions> {
+    let mut o = CompileOptions::default();
+    for (k, v) in opts.iter() {
+        if v.is_none() {
+            continue;
+        }
+        let key: String = k.extract()?;
+        o = match key.as_str() {
+            "submit_timeout" => o.submit_timeout(secs(&key, Some(v.extract()?))?.unwrap()),
+            "get_timeout" => o.get_timeout(secs(&key, Some(v.extract()?))?.unwrap()),
+            "buffer_size_bytes" => o.buffer_size_bytes(v.extract()?),
+            "max_message_bytes" => o.max_message_bytes(v.extract()?),
+            "enable_asyncio" => o.enable_asyncio(v.extract()?),
+            "max_inflight_executions" => o.max_inflight_executions(v.extract()?),
+            "max_buffered_results" => o.max_buffered_results(v.extract()?),
+            "overlap_gpu_communication" => o.overlap_gpu_communication(v.extract()?),
+            other => {
+                return Err(PyTypeError::new_err(format!(
+                    "unknown compile option {other}"
+                )));
+            }
+        };
+    }
+    Ok(o)
+}
+
+#[pymethods]
+impl NativeGraph {
+    /// Compile a graph. `parts`: the input parts, each `("whole",)`, `("index", i)` or
+    /// `("key", k)`; `nodes`: in an order where arguments come first, each
+    /// `(actor, method, template, args)` where an argument `a >= 0` is node `a` and `a < 0`
+    /// input part `-a - 1`; `outputs`: node indices.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        parts: Vec<Bound<'_, PyTuple>>,
+        nodes: Vec<NodeSpec>,
+        outputs: Vec<usize>,
+        multi: bool,
+        options: Bound<'_, PyDict>,
+    ) -> PyResult<Self> {
+        let opts = options_from(&options)?;
+        let asyncio = opts.enable_asyncio;
+        let mut selectors = Vec::with_capacity(parts.len());
+        for p in &parts {
+            let kind: String = p.get_item(0)?.extract()?;
+            selectors.push(match kind.as_str() {
+                "whole" => Selector::Whole,
+                "index" => Selector::Index(p.get_item(1)?.extract()?),
+                "key" => Selector::Key(p.get_item(1)?.extract()?),
+                _ => return Err(PyValueError::new_err(format!("bad input part {kind}"))),
+            });
+        }
+        let dag = Dag::<PyInput>::new();
+        let input = dag.input();
+        let part_nodes: Vec<Node<PyValue>> = (0..selectors.len())
+            .map(|j| input.field(&format!("part{j}"), move |i: &PyInput| i.parts[j].clone()))
+            .collect();
+        let mut built: Vec<Node<PyValue>> = Vec::with_capacity(nodes.len());
+        for (actor, method, template, args) in nodes {
+            if args.len() > MAX_NODE_ARGS {
+                return Err(PyValueError::new_err(format!(
+                    "{method}.bind(...) takes {} arguments that are nodes; at most {MAX_NODE_ARGS} are supported",
+                    args.len()
+                )));
+            }
+            let mut erased = vec![ErasedArg::constant(CallSpec {
+                key: fresh_key(),
+                method: method.clone(),
+                template,
+            })];
+            for a in args {
+                let n = if a >= 0 {
+                    built.get(a as usize)
+                } else {
+                    part_nodes.get((-a - 1) as usize)
+                }
+                .ok_or_else(|| PyValueError::new_err("bad node argument"))?;
+                erased.push(adag::Arg::from(n).erase());
+            }
+            let callee = format!("call{}", erased.len() - 1);
+            let actor = actor.get();
+            built.push(actor.handle.core().bind::<PyValue>(&callee, erased));
+        }
+        let outs = outputs
+            .iter()
+            .map(|&i| {
+                built
+                    .get(i)
+                    .cloned()
+                    .ok_or_else(|| PyValueError::new_err("bad output"))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let graph = py
+            .allow_threads(|| dag.compile(outs, opts))
+            .map_err(|e| to_py_err(py, e))?;
+        Ok(NativeGraph {
+            graph: Mutex::new(Some(Arc::new(graph))),
+            parts: selectors,
+            asyncio,
+            multi,
+        })
+    }
+
+    /// Submit one execution (a graph compiled without `enable_asyncio`): one ref, or a list
+    /// of refs for a graph of several outputs.
+    #[pyo3(signature = (*args, **kwargs))]
+    fn execute(
+        &self,
+        py: Python<'_>,
+        args: Bound<'_, PyTuple>,
+        kwargs: Option<Bound<'_, PyDict>>,
+    ) -> PyResult<PyObject> {
+        if self.asyncio {
+            return Err(to_py_err(
+                py,
+                Error::WrongMode {
+                    message: "this graph was compiled with enable_asyncio=True; use await execute_async(...)".into(),
+                },
+            ));
+        }
+        let g = self.live(py)?;
+        let input = self.input(py, &args, kwargs.as_ref())?;
+        let refs = py
+            .allow_threads(|| g.execute(input))
+            .map_err(|e| to_py_err(py, e))?;
+        self.wrap(py, refs)
+    }
+
+    /// Submit one execution of an `enable_asyncio` graph if there is room now, without
+    /// waiting (from the event loop's thread): one ref, a list of refs, or `None` when the
+    /// graph is full (nothing was submitted: call `submit_async` from an executor).
+    #[pyo3(signature = (*args, **kwargs))]
+    fn try_submit_async(
+        &self,
+        py: Python<'_>,
+        args: Bound<'_, PyTuple>,
+        kwargs: Option<Bound<'_, PyDict>>,
+    ) -> PyResult<Option<PyObject>> {
+        let g = self.live(py)?;
+        let input = self.input(py, &args, kwargs.as_ref())?;
+        // Polled once: `execute_async` is ready at once when there is room, and dropping it
+        // pending submits nothing (it is cancel-safe).
+        match py.allow_threads(|| poll_once(g.execute_async(input))) {
+            None => Ok(None),
+            Some(r) => {
+                let refs = r.map_err(|e| to_py_err(py, e))?;
+                self.wrap(py, refs).map(Some)
+            }
+        }
+    }
+
+    /// Submit one execution of an `enable_asyncio` graph, waiting (up to the submit timeout)
+    /// for room; called from a thread of the asyncio executor. One ref, or a list of refs.
+    #[pyo3(signature = (*args, **kwargs))]
+    fn submit_async(
+        &self,
+        py: Python<'_>,
+        args: Bound<'_, PyTuple>,
+        kwargs: Option<Bound<'_, PyDict>>,
+    ) -> PyResult<PyObject> {
+        let g = self.live(py)?;
+        let input = self.input(py, &args, kwargs.as_ref())?;
+        let refs = py
+            .allow_threads(|| block_on(g.execute_async(input)))
+            .map_err(|e| to_py_err(py, e))?;
+        self.wrap(py, refs)
+    }
+
+    /// Whether the graph was compiled with `enable_asyncio`.
+    #[getter]
+    fn asyncio(&self) -> bool {
+        self.asyncio
+    }
+
+    /// Stop the graph and release its actors (idempotent).
+    fn teardown(&self, py: Python<'_>) -> PyResult<()> {
+        let g = self.graph.lock().take();
+        if let Some(g) = g {
+            py.allow_threads(|| g.teardown())
+                .map_err(|e| to_py_err(py, e))?;
+        }
+        Ok(())
+    }
+
+    /// The graph as Graphviz DOT.
+    fn visualize(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.live(py)?.visualize())
+    }
+}
+
+impl NativeGraph {
+    fn wrap(&self, py: Python<'_>, refs: Vec<CompiledRef<PyValue>>) -> PyResult<PyObject> {
+        let mut refs = refs.into_iter().map(|r| CompiledDAGRef {
+            r: Mutex::new(Some(r)),
+            asyncio: self.asyncio,
+            polled: Mutex::new(None),
+        });
+        if self.multi {
+            let list = refs
+                .map(|r| Bound::new(py, r))
+                .collect::<PyResult<Vec<_>>>()?;
+            return Ok(pyo3::types::PyList::new(py, list)?.into_any().unbind());
+        }
+        let one = refs
+            .next()
+            .ok_or_else(|| PyValueError::new_err("the graph has no output"))?;
+        Ok(Bound::new(py, one)?.into_any().unbind())
+    }
+
+    fn live(&self, py: Python<'_>) -> PyResult<Arc<Graph>> {
+        self.graph
+            .lock()
+            .clone()
+            .ok_or_else(|| to_py_err(py, Error::TornDown { reason: None }))
+    }
+
+    fn input(
+        &self,
+        py: Python<'_>,
+        args: &Bound<'_, PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PyInput> {
+        let mut parts = Vec::with_capacity(self.parts.len());
+        for p in &self.parts {
+            let obj = match p {
+                Selector::Whole => {
+                    if args.len() != 1 || kwargs.is_some_and(|k| !k.is_empty()) {
+                        return Err(PyTypeError::new_err(format!(
+                            "the graph reads the InputNode itself, so execute() takes exactly one positional argument (got {} positional and {} keyword); use inp[i] and inp.key for several",
+                            args.len(),
+                            kwargs.map_or(0, |k| k.len())
+                        )));
+                    }
+                    args.get_item(0)?
+                }
+                Selector::Index(i) => args.get_item(*i).map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "the graph reads inp[{i}], but execute() got {} positional arguments",
+                        args.len()
+                    ))
+                })?,
+                Selector::Key(k) => kwargs
+                    .and_then(|kw| kw.get_item(k).ok().flatten())
+                    .ok_or_else(|| {
+                        PyTypeError::new_err(format!(
+                            "the graph reads inp.{k}, but execute() got no keyword argument {k}="
+                        ))
+                    })?,
+            };
+            parts.push(dumps(py, &obj)?);
+        }
+        Ok(PyInput { parts })
+    }
+}
+
+/// Poll a future once (a waker that does nothing): its output if it is ready at once.
+fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::pin::pin!(f).poll(&mut cx) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
+    }
+}
+
+/// Run a future to completion on this thread, parking it while the future waits.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        match f.as_mut().poll(&mut cx) {
+            Poll::Ready(v) => return v,
+            Poll::Pending => std::thread::park(),
+        }
+    }
+}
+
+/// The result of one output of one execution (Ray's `CompiledDAGRef`): claim it once with
+/// `adag.get(ref)` or `ref.get()`.
+#[pyclass(module = "adag", frozen)]
+pub struct CompiledDAGRef {
+    r: Mutex<Option<CompiledRef<PyValue>>>,
+    asyncio: bool,
+    /// The ref's future while an event loop awaits it (`_poll`).
+    polled: Mutex<Option<Polled>>,
+}
+
+type RefFut = std::pin::Pin<Box<dyn std::future::Future<Output = adag::Result<PyValue>> + Send>>;
+
+/// A ref being awaited: its future, and the eventfd its waker signals (the event loop watches
+/// it with `add_reader`; waking needs no GIL).
+struct Polled {
+    fut: RefFut,
+    wake: Arc<EventWake>,
+}
+
+struct EventWake(std::os::fd::OwnedFd);
+
+impl std::task::Wake for EventWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        let _ = rustix::io::write(&self.0, &1u64.to_ne_bytes());
+    }
+}
+
+#[pymethods]
+impl CompiledDAGRef {
+    /// Wait for the value, up to `timeout` seconds (`None`: the graph's default of 10 s; a
+    /// negative number: for ever). On a timeout the ref stays valid. Raises the task's error
+    /// if the method failed.
+    #[pyo3(signature = (timeout=None))]
+    fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyObject> {
+        if self.asyncio {
+            return Err(to_py_err(
+                py,
+                Error::WrongMode {
+                    message: "this graph was compiled with enable_asyncio=True: await the futures of execute_async(...) instead".into(),
+                },
+            ));
+        }
+        self.wait(py, timeout)
+    }
+
+    /// Poll the ref's future once from the event loop's thread: `(True, value)` when it is
+    /// ready, else `(False, fd)`: an eventfd that becomes readable when it is worth polling
+    /// again (drain it with `os.read(fd, 8)`).
+    fn _poll(&self, py: Python<'_>) -> PyResult<(bool, PyObject)> {
+        let mut polled = self.polled.lock();
+        if polled.is_none() {
+            let r = self.r.lock().take().ok_or_else(|| {
+                PyValueError::new_err(
+                    "this ref's value was already retrieved; a ref yields its value once",
+                )
+            })?;
+            let fd = rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+            )
+            .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("eventfd: {e}")))?;
+            *polled = Some(Polled {
+                fut: Box::pin(std::future::IntoFuture::into_future(r)),
+                wake: Arc::new(EventWake(fd)),
+            });
+        }
+        let p = polled.as_mut().expect("set above");
+        let waker = std::task::Waker::from(p.wake.clone());
+        let fut = &mut p.fut;
+        let got = py.allow_threads(|| {
+            let mut cx = std::task::Context::from_waker(&waker);
+            fut.as_mut().poll(&mut cx)
+        });
+        match got {
+            std::task::Poll::Pending => {
+                use std::os::fd::AsRawFd;
+                let fd = p.wake.0.as_raw_fd();
+                Ok((false, fd.into_pyobject(py)?.into_any().unbind()))
+            }
+            std::task::Poll::Ready(r) => {
+                // Done: the future and its eventfd go (a late wake writes to the eventfd the
+                // waker still holds, never to a reused fd number).
+                *polled = None;
+                let v = r.map_err(|e| to_py_err(py, e))?;
+                Ok((true, loads(py, &v)?))
+            }
+        }
+    }
+
+    /// `get` for the futures of `enable_asyncio` graphs, from an executor's thread.
+    #[pyo3(signature = (timeout=None))]
+    fn _wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyObject> {
+        self.wait(py, timeout)
+    }
+
+    fn __repr__(&self) -> String {
+        match &*self.r.lock() {
+            Some(r) => format!("CompiledDAGRef({r})"),
+            None => "CompiledDAGRef(claimed)".into(),
+        }
+    }
+}
+
+impl CompiledDAGRef {
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyObject> {
+        let timeout = secs("timeout", timeout)?;
+        if self.r.lock().is_none() {
+            // An await began with `_poll` and was cancelled: finish its future here.
+            if let Some(p) = self.polled.lock().take() {
+                let v = py
+                    .allow_threads(|| block_on(p.fut))
+                    .map_err(|e| to_py_err(py, e))?;
+                return loads(py, &v);
+            }
+        }
+        let r = self.r.lock().clone().ok_or_else(|| {
+            PyValueError::new_err(
+                "this ref's value was already retrieved; a ref yields its value once",
+            )
+        })?;
+        let asyncio = self.asyncio;
+        let got = py.allow_threads(|| {
+            if asyncio {
+                // A future of an asyncio graph, awaited from an executor's thread (asyncio's
+                // own `wait_for` bounds it).
+                return block_on(std::future::IntoFuture::into_future(r));
+            }
+            match timeout {
+                None => r.get(),
+                Some(t) => r.get_timeout(t),
+            }
+        });
+        let v = got.map_err(|e| to_py_err(py, e))?;
+        self.r.lock().take();
+        loads(py, &v)
+    }
+}

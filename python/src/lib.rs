@@ -1,0 +1,42 @@
+//! `adag._native`: the extension module of the Python package `adag` (Ray Compiled Graphs'
+//! API, backed by adag). The Python side (`adag/*.py`) describes graphs and wraps this module;
+//! see `docs/python.md`.
+//!
+//! A Python actor is one Rust actor type, [`actor::PyActor`], in a worker process started as
+//! `python -c "import adag._native as m; m._worker_main()"` (see
+//! [`adag::set_worker_command`]); values travel as [`value::PyValue`]s: pickle protocol 5
+//! with out-of-band buffers read in place from shared memory.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod actor;
+pub mod driver;
+pub mod value;
+
+use pyo3::prelude::*;
+
+/// Enter the worker loop when this interpreter was started as an adag worker; never returns
+/// then. Returns at once in any other process.
+#[pyfunction]
+fn _worker_main(py: Python<'_>) {
+    py.allow_threads(adag::init);
+}
+
+/// Start worker processes with `program args..` (the driver calls it once, with its own
+/// interpreter).
+#[pyfunction]
+fn _set_worker_command(program: String, args: Vec<String>) {
+    adag::set_worker_command(Some((program.into(), args)));
+}
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_worker_main, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_worker_command, m)?)?;
+    m.add_function(wrap_pyfunction!(driver::spawn, m)?)?;
+    m.add_class::<driver::NativeActor>()?;
+    m.add_class::<driver::NativeGraph>()?;
+    m.add_class::<driver::CompiledDAGRef>()?;
+    m.add_class::<value::ShmBuffer>()?;
+    Ok(())
+}

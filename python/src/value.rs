@@ -1,0 +1,329 @@
+//! Python values on graph edges: pickle protocol 5 with out-of-band buffers, each an adag
+//! [`Buffer`] (read in place from shared memory by the reading process).
+use adag::Buffer;
+use bytes::Bytes;
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyBufferError;
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyByteArray, PyBytes, PyList, PyMemoryView, PyTuple};
+use serde::{Deserialize, Serialize};
+use std::os::raw::c_int;
+
+/// Below this size bytes are copied rather than referred to.
+const SMALL: usize = 4096;
+
+/// What a [`PyValue`] holds.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub enum Kind {
+    /// A C-contiguous numpy array of a plain dtype: its bytes are `data`; the reader makes a
+    /// read-only view of them (`numpy.frombuffer`), with no pickling either way.
+    NdArray {
+        /// `dtype.str` (byte order, kind, size: `<f4`).
+        dtype: String,
+        /// The array's shape.
+        shape: Vec<usize>,
+    },
+    /// A pickle stream (`data`) and its out-of-band buffers (`oob`).
+    Pickle,
+    /// A `bytes` object: its bytes are `data`.
+    Bytes,
+    /// A `bytearray`: its bytes are `data`.
+    ByteArray,
+    /// A `memoryview`: its bytes are `data`; the reader gets a read-only `memoryview` of
+    /// them, in place.
+    MemoryView,
+}
+
+/// One Python object as it travels along an edge. Every `Buffer` of at least 16 KiB travels
+/// beside the frame's encoding and is read in place from shared memory.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PyValue {
+    /// How `data` is read.
+    pub kind: Kind,
+    /// The pickle stream, or the bytes of a `bytes`/`bytearray`.
+    pub data: Buffer,
+    /// The pickle's out-of-band buffers (numpy arrays, `PickleBuffer`s), in order.
+    pub oob: Vec<Buffer>,
+}
+
+/// A Python buffer held open, so that its memory stays valid and unmoved while Rust reads it.
+struct HeldBuffer(PyBuffer<u8>);
+
+impl AsRef<[u8]> for HeldBuffer {
+    fn as_ref(&self) -> &[u8] {
+        let len = self.0.len_bytes();
+        if len == 0 {
+            return &[];
+        }
+        // SAFETY: the buffer was requested C-contiguous (`PyBuffer::get` checks it) and stays
+        // exported while `self.0` lives, so its `len` bytes at `buf_ptr` stay allocated and in
+        // place; the exporter (bytes, a numpy array) is only read here.
+        unsafe { std::slice::from_raw_parts(self.0.buf_ptr() as *const u8, len) }
+    }
+}
+
+/// The bytes of `obj` (anything with the buffer protocol, C-contiguous), without a copy.
+fn buffer_of(obj: &Bound<'_, PyAny>) -> PyResult<Buffer> {
+    if let Ok(b) = obj.downcast_exact::<PyBytes>()
+        && b.as_bytes().len() < SMALL
+    {
+        return Ok(Buffer::copy_from_slice(b.as_bytes()));
+    }
+    let buf = PyBuffer::<u8>::get(obj)?;
+    if !buf.is_c_contiguous() {
+        return Err(PyBufferError::new_err("the buffer is not C-contiguous"));
+    }
+    if buf.len_bytes() < SMALL {
+        // Small: a copy is cheaper than holding the Python object (whose release needs the GIL).
+        return Ok(Buffer::copy_from_slice(HeldBuffer(buf).as_ref()));
+    }
+    Ok(Buffer::from(Bytes::from_owner(HeldBuffer(buf))))
+}
+
+struct Pickle {
+    dumps: PyObject,
+    loads: PyObject,
+    cloud_dumps: Option<PyObject>,
+}
+
+fn pickle(py: Python<'_>) -> PyResult<&'static Pickle> {
+    static PICKLE: GILOnceCell<Pickle> = GILOnceCell::new();
+    PICKLE.get_or_try_init(py, || {
+        let m = py.import("pickle")?;
+        let cloud_dumps = py
+            .import("cloudpickle")
+            .and_then(|c| c.getattr("dumps"))
+            .ok()
+            .map(Bound::unbind);
+        Ok(Pickle {
+            dumps: m.getattr("dumps")?.unbind(),
+            loads: m.getattr("loads")?.unbind(),
+            cloud_dumps,
+        })
+    })
+}
+
+/// `cloudpickle.dumps(obj)` (classes, functions and closures by value), or `pickle.dumps`
+/// without cloudpickle.
+pub fn dumps_code(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    let p = pickle(py)?;
+    let f = p.cloud_dumps.as_ref().unwrap_or(&p.dumps);
+    let out = f.bind(py).call1((obj,))?;
+    Ok(out.downcast::<PyBytes>()?.as_bytes().to_vec())
+}
+
+/// A numpy array that travels as its bytes: exactly `numpy.ndarray`, C-contiguous, of a dtype
+/// without fields or objects (anything else is pickled).
+fn ndarray(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Option<PyValue>> {
+    let ty = obj.get_type();
+    if ty.name()? != "ndarray" || ty.module()? != "numpy" {
+        return Ok(None);
+    }
+    let dtype = obj.getattr("dtype")?;
+    if !obj.getattr("flags")?.getattr("c_contiguous")?.is_truthy()?
+        || dtype.getattr("hasobject")?.is_truthy()?
+        || !dtype.getattr("fields")?.is_none()
+        || dtype.getattr("kind")?.extract::<String>()? == "V"
+    {
+        return Ok(None);
+    }
+    let raw = pickle_buffer(py)?
+        .bind(py)
+        .call1((obj,))?
+        .call_method0("raw")?;
+    Ok(Some(PyValue {
+        kind: Kind::NdArray {
+            dtype: dtype.getattr("str")?.extract()?,
+            shape: obj.getattr("shape")?.extract()?,
+        },
+        data: buffer_of(&raw)?,
+        oob: Vec::new(),
+    }))
+}
+
+fn pickle_buffer(py: Python<'_>) -> PyResult<&'static PyObject> {
+    static PB: GILOnceCell<PyObject> = GILOnceCell::new();
+    PB.get_or_try_init(py, || {
+        Ok(py.import("pickle")?.getattr("PickleBuffer")?.unbind())
+    })
+}
+
+/// `numpy.frombuffer`, imported on the first array received.
+fn frombuffer(py: Python<'_>) -> PyResult<&'static PyObject> {
+    static F: GILOnceCell<PyObject> = GILOnceCell::new();
+    F.get_or_try_init(py, || {
+        Ok(py.import("numpy")?.getattr("frombuffer")?.unbind())
+    })
+}
+
+/// Scalars and strings: values without buffers, pickled the short way.
+fn is_plain(obj: &Bound<'_, PyAny>) -> bool {
+    use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
+    obj.is_none()
+        || obj.is_exact_instance_of::<PyInt>()
+        || obj.is_exact_instance_of::<PyFloat>()
+        || obj.is_exact_instance_of::<PyBool>()
+        || obj.is_exact_instance_of::<PyString>()
+}
+
+/// Encode `obj` for an edge: a plain numpy array as its bytes, `bytes`/`bytearray`/
+/// `memoryview` as themselves, anything else pickled (protocol 5, out-of-band buffers kept apart).
+pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
+    if let Ok(b) = obj.downcast_exact::<PyBytes>() {
+        return Ok(PyValue {
+            kind: Kind::Bytes,
+            data: buffer_of(b.as_any())?,
+            oob: Vec::new(),
+        });
+    }
+    if let Ok(b) = obj.downcast_exact::<PyByteArray>() {
+        // A bytearray may change after `execute` returns: its bytes are copied now.
+        return Ok(PyValue {
+            kind: Kind::ByteArray,
+            data: Buffer::from(b.to_vec()),
+            oob: Vec::new(),
+        });
+    }
+    if obj.is_exact_instance_of::<PyMemoryView>() {
+        // Bytes, whatever the view's format (a copy if it is not contiguous).
+        let flat = obj
+            .call_method1("cast", ("B",))
+            .or_else(|_| obj.call_method0("tobytes"))?;
+        return Ok(PyValue {
+            kind: Kind::MemoryView,
+            data: buffer_of(&flat)?,
+            oob: Vec::new(),
+        });
+    }
+    if let Some(v) = ndarray(py, obj)? {
+        return Ok(v);
+    }
+    let p = pickle(py)?;
+    if is_plain(obj) {
+        // No buffer to take out of band: no callback to build.
+        let stream = p.dumps.bind(py).call1((obj, 5))?;
+        return Ok(PyValue {
+            kind: Kind::Pickle,
+            data: buffer_of(&stream)?,
+            oob: Vec::new(),
+        });
+    }
+    let buffers = PyList::empty(py);
+    let kwargs = pyo3::types::PyDict::new(py);
+    kwargs.set_item("protocol", 5)?;
+    kwargs.set_item("buffer_callback", buffers.getattr("append")?)?;
+    let stream = match p.dumps.bind(py).call((obj,), Some(&kwargs)) {
+        Ok(s) => s,
+        // Lambdas, local classes: cloudpickle pickles them by value.
+        Err(e) => match &p.cloud_dumps {
+            Some(cloud) => {
+                buffers.call_method0("clear")?;
+                cloud.bind(py).call((obj,), Some(&kwargs))?
+            }
+            None => return Err(e),
+        },
+    };
+    let mut oob = Vec::with_capacity(buffers.len());
+    for b in buffers.iter() {
+        let raw = b.call_method0("raw")?;
+        oob.push(buffer_of(&raw)?);
+    }
+    Ok(PyValue {
+        kind: Kind::Pickle,
+        data: buffer_of(&stream)?,
+        oob,
+    })
+}
+
+/// Unpickle a value; its out-of-band buffers become [`ShmBuffer`]s, so a numpy array is a
+/// view of the memory the value arrived in (shared memory between processes).
+pub fn loads(py: Python<'_>, v: &PyValue) -> PyResult<PyObject> {
+    match &v.kind {
+        Kind::NdArray { dtype, shape } => {
+            let data = Bound::new(py, ShmBuffer(v.data.clone()))?;
+            let flat = frombuffer(py)?.bind(py).call1((data, dtype.as_str()))?;
+            Ok(flat
+                .call_method1("reshape", (PyTuple::new(py, shape)?,))?
+                .unbind())
+        }
+        Kind::Bytes => Ok(PyBytes::new(py, &v.data).into_any().unbind()),
+        Kind::ByteArray => Ok(PyByteArray::new(py, &v.data).into_any().unbind()),
+        Kind::MemoryView => {
+            let data = Bound::new(py, ShmBuffer(v.data.clone()))?;
+            Ok(PyMemoryView::from(data.as_any())?.into_any().unbind())
+        }
+        Kind::Pickle => {
+            let p = pickle(py)?;
+            if v.oob.is_empty() && v.data.len() < SMALL {
+                // Small: a copy into `bytes` is cheaper than a buffer object to read through.
+                let data = PyBytes::new(py, &v.data);
+                return p.loads.bind(py).call1((data,)).map(Bound::unbind);
+            }
+            let data = Bound::new(py, ShmBuffer(v.data.clone()))?;
+            if v.oob.is_empty() {
+                return p.loads.bind(py).call1((data,)).map(Bound::unbind);
+            }
+            let bufs = v
+                .oob
+                .iter()
+                .map(|b| Bound::new(py, ShmBuffer(b.clone())))
+                .collect::<PyResult<Vec<_>>>()?;
+            let kwargs = pyo3::types::PyDict::new(py);
+            kwargs.set_item("buffers", PyTuple::new(py, bufs)?)?;
+            p.loads
+                .bind(py)
+                .call((data,), Some(&kwargs))
+                .map(Bound::unbind)
+        }
+    }
+}
+
+/// Read-only bytes of a value that arrived through a channel (often in shared memory),
+/// exposed with the buffer protocol; kept valid as long as this object (or a view of it, such
+/// as a numpy array) lives.
+#[pyclass(module = "adag._native", frozen)]
+pub struct ShmBuffer(pub Buffer);
+
+#[pymethods]
+impl ShmBuffer {
+    fn __len__(&self) -> usize {
+        self.0.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ShmBuffer({} bytes)", self.0.len())
+    }
+
+    /// # Safety
+    /// Called by the interpreter with a `Py_buffer` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if flags & pyo3::ffi::PyBUF_WRITABLE == pyo3::ffi::PyBUF_WRITABLE {
+            return Err(PyBufferError::new_err(
+                "a value received through an adag channel is read-only",
+            ));
+        }
+        let bytes: &[u8] = &slf.get().0;
+        // SAFETY: `view` is the interpreter's to fill; PyBuffer_FillInfo stores a new
+        // reference to `slf` in it, which keeps the `Buffer` (an immutable `Bytes` whose
+        // memory never moves) alive until the view is released.
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                bytes.as_ptr() as *mut std::ffi::c_void,
+                bytes.len() as pyo3::ffi::Py_ssize_t,
+                1,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,55 @@
+"""Actor classes of the tests, in a module of their own: workers import them by reference."""
+import os
+import time
+
+
+class Echo:
+    def __init__(self, offset=0):
+        self.offset = offset
+        self.calls = 0
+
+    def echo(self, x):
+        self.calls += 1
+        return x
+
+    def add(self, x, y=0):
+        self.calls += 1
+        return x + y + self.offset
+
+    def count(self):
+        return self.calls
+
+    def pid(self):
+        return os.getpid()
+
+    def sleep(self, seconds, x=None):
+        time.sleep(seconds)
+        return x
+
+    def fail(self, x):
+        raise ValueError(f"bad value {x}")
+
+    def fail_unpicklable(self, x):
+        class Local(Exception):
+            def __reduce__(self):
+                raise TypeError("cannot pickle this")
+
+        raise Local(f"local {x}")
+
+    def exit_now(self, x):
+        os._exit(3)
+
+    def info(self, arr):
+        """What the actor sees of an array: its sum, whether it is writable, its base chain."""
+        return float(arr.sum()), bool(arr.flags.writeable), type(arr.base).__name__
+
+    def scale(self, arr, k=2):
+        return arr * k
+
+    def kind(self, x):
+        return type(x).__name__, len(x)
+
+
+class Broken:
+    def __init__(self):
+        raise RuntimeError("constructor says no")

@@ -1,0 +1,124 @@
+"""asyncio: graphs compiled with enable_asyncio, awaited refs, awaited one-off calls."""
+import asyncio
+
+import pytest
+
+import adag
+from adag import InputNode, MultiOutputNode
+from actors import Echo
+
+EchoActor = adag.remote(Echo)
+
+
+def test_execute_async_and_await():
+    a, b = EchoActor.remote(), EchoActor.remote(1)
+
+    async def main():
+        with InputNode() as inp:
+            dag = MultiOutputNode([a.echo.bind(inp), b.add.bind(inp)])
+        compiled = dag.experimental_compile(enable_asyncio=True)
+        try:
+            futs = [await compiled.execute_async(i) for i in range(5)]
+            results = [[await f for f in fs] for fs in futs]
+            assert results == [[i, i + 1] for i in range(5)]
+            # Several executions awaited together.
+            many = await asyncio.gather(*[compiled.execute_async(i) for i in range(4)])
+            values = await asyncio.gather(*[f for fs in many for f in fs])
+            assert sorted(values) == sorted([i for i in range(4)] + [i + 1 for i in range(4)])
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())
+
+
+def test_async_task_error():
+    a = EchoActor.remote()
+
+    async def main():
+        with InputNode() as inp:
+            dag = a.fail.bind(inp)
+        compiled = dag.experimental_compile(enable_asyncio=True)
+        try:
+            fut = await compiled.execute_async(4)
+            with pytest.raises(ValueError, match="bad value 4"):
+                await fut
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())
+
+
+def test_await_one_off_call():
+    a = EchoActor.remote(2)
+
+    async def main():
+        return await a.add.remote(40)
+
+    assert asyncio.run(main()) == 42
+
+
+def test_async_ref_is_not_read_with_get():
+    a = EchoActor.remote()
+
+    async def main():
+        with InputNode() as inp:
+            dag = a.echo.bind(inp)
+        compiled = dag.experimental_compile(enable_asyncio=True)
+        try:
+            fut = await compiled.execute_async(1)
+            assert await fut == 1
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())
+
+
+def test_async_capacity_and_room_freed_by_dropped_futures():
+    import gc
+
+    a = EchoActor.remote()
+
+    async def main():
+        with InputNode() as inp:
+            dag = a.sleep.bind(inp, "done")
+        compiled = dag.experimental_compile(enable_asyncio=True, _max_inflight_executions=1)
+        try:
+            # Still running (0.3 s): its result is not read yet, so the graph is full.
+            first = await compiled.execute_async(0.3)
+            with pytest.raises(adag.CapacityExceededError):
+                await compiled.execute_async(0)
+            assert await first == "done"
+            dropped = await compiled.execute_async(0.3)
+            del dropped
+            gc.collect()
+            # Full until the result of the dropped execution is read and discarded: this
+            # submission waits for that room (on a thread of the graph), then runs.
+            assert await (await compiled.execute_async(0)) == "done"
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())
+
+
+def test_await_with_a_timeout_then_again():
+    a = EchoActor.remote()
+
+    async def main():
+        with InputNode() as inp:
+            dag = a.sleep.bind(inp, "late")
+        compiled = dag.experimental_compile(enable_asyncio=True)
+        try:
+            fut = await compiled.execute_async(0.5)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(fut, 0.01)
+            # The cancelled wait gave nothing up: the same future still yields the value.
+            assert await asyncio.wait_for(fut, 30) == "late"
+            # A blocking get of a future whose await was cancelled finishes it.
+            other = await compiled.execute_async(0.2)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(other, 0.01)
+            assert other.get() == "late"
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())

@@ -1,0 +1,120 @@
+"""No hang, no leak: the GIL is free while the driver waits, a killed driver leaves no
+worker behind, and the interpreter's exit tears graphs down."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import adag
+from adag import InputNode
+from actors import Echo
+
+EchoActor = adag.remote(Echo)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_gil_is_released_while_waiting():
+    a = EchoActor.remote()
+    with InputNode() as inp:
+        dag = a.sleep.bind(inp, "late")
+    compiled = dag.experimental_compile()
+    ticks = []
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0.001)
+
+    t = threading.Thread(target=tick)
+    try:
+        ref = compiled.execute(0.5)
+        t.start()
+        assert ref.get(timeout=30) == "late"
+        # The other thread ran while this one waited inside get().
+        assert len(ticks) > 5
+    finally:
+        stop.set()
+        t.join()
+        compiled.teardown()
+
+
+DRIVER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {here!r})
+    import adag
+    from adag import InputNode
+    from actors import Echo
+    E = adag.remote(Echo)
+    actors = [E.remote() for _ in range(2)]
+    with InputNode() as inp:
+        dag = actors[1].echo.bind(actors[0].echo.bind(inp))
+    compiled = dag.experimental_compile()
+    assert compiled.execute(1).get() == 1
+    print(" ".join(str(a.pid.remote().get()) for a in actors), flush=True)
+    if sys.argv[1] == "hang":
+        time.sleep(600)
+    """
+)
+
+
+def test_killed_driver_leaves_no_worker():
+    p = subprocess.Popen(
+        [sys.executable, "-c", DRIVER.format(here=HERE), "hang"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = [int(x) for x in p.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(x) for x in pids)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        assert _wait_gone(pids), "worker processes outlived their driver"
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_interpreter_exit_tears_down_and_ends_workers():
+    p = subprocess.run(
+        [sys.executable, "-c", DRIVER.format(here=HERE), "exit"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    pids = [int(x) for x in p.stdout.split()]
+    assert len(pids) == 2
+    assert _wait_gone(pids), "worker processes outlived the interpreter"
+
+
+def test_dropped_actor_handle_ends_its_worker():
+    import gc
+
+    a = EchoActor.remote()
+    pid = a.pid.remote().get()
+    assert _alive(pid)
+    del a
+    gc.collect()
+    assert _wait_gone([pid])

@@ -1,0 +1,159 @@
+"""Values: pickle protocol 5 with out-of-band buffers; numpy arrays arrive as read-only
+views of the shared memory they came in, valid as long as the array lives."""
+import gc
+
+import numpy as np
+import pytest
+
+import adag
+from adag import InputNode
+from actors import Echo
+
+EchoActor = adag.remote(Echo)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return EchoActor.remote(), EchoActor.remote()
+
+
+def test_numpy_array_is_a_view_of_shared_memory(pair):
+    a, _ = pair
+    with InputNode() as inp:
+        dag = a.echo.bind(inp)
+    compiled = dag.experimental_compile()
+    try:
+        big = np.arange(4 << 20, dtype=np.float32)  # 16 MiB
+        out = compiled.execute(big).get()
+        assert out.dtype == big.dtype and out.shape == big.shape
+        assert np.array_equal(out, big)
+        # Read in place: a read-only view whose memory is adag's (an ShmBuffer).
+        assert not out.flags.writeable
+        assert not out.flags.owndata
+        base = out.base
+        while base is not None and not isinstance(base, adag._native.ShmBuffer):
+            base = getattr(base, "obj", None) or getattr(base, "base", None)
+        assert isinstance(base, adag._native.ShmBuffer)
+        # The view stays valid while later executions reuse the channel.
+        kept = out
+        for i in range(5):
+            other = compiled.execute(np.full(4 << 20, i, dtype=np.float32)).get()
+            assert other[0] == i
+        del other
+        gc.collect()
+        assert np.array_equal(kept, big)
+    finally:
+        compiled.teardown()
+    # ...and after the graph is gone.
+    assert np.array_equal(kept, big)
+
+
+def test_actor_reads_the_array_in_place(pair):
+    a, b = pair
+    with InputNode() as inp:
+        dag = b.info.bind(a.scale.bind(inp, k=3))
+    compiled = dag.experimental_compile()
+    try:
+        x = np.ones((1024, 1024), dtype=np.float64)  # 8 MiB
+        total, writable, _base = compiled.execute(x).get()
+        assert total == 3 * 1024 * 1024
+        assert writable is False
+    finally:
+        compiled.teardown()
+
+
+def test_small_and_odd_arrays(pair):
+    a, _ = pair
+    with InputNode() as inp:
+        dag = a.echo.bind(inp)
+    compiled = dag.experimental_compile()
+    try:
+        for arr in [
+            np.arange(10),
+            np.zeros((0,), dtype=np.int8),
+            np.arange(12).reshape(3, 4).T,  # not C-contiguous
+            np.array(["a", "bc"]),
+            {"w": np.ones(100_000), "b": np.arange(3)},
+        ]:
+            out = compiled.execute(arr).get()
+            if isinstance(arr, dict):
+                assert np.array_equal(out["w"], arr["w"]) and np.array_equal(out["b"], arr["b"])
+            else:
+                assert np.array_equal(out, arr) and out.dtype == arr.dtype
+    finally:
+        compiled.teardown()
+
+
+def test_bytes_bytearray_memoryview(pair):
+    a, _ = pair
+    with InputNode() as inp:
+        dag = a.kind.bind(inp)
+    compiled = dag.experimental_compile()
+    try:
+        for value, kind in [
+            (b"x" * (1 << 20), "bytes"),
+            (bytearray(b"y" * (1 << 20)), "bytearray"),
+            (b"", "bytes"),
+            ("text" * 10000, "str"),
+        ]:
+            assert compiled.execute(value).get() == (kind, len(value))
+    finally:
+        compiled.teardown()
+    with InputNode() as inp:
+        dag = a.echo.bind(inp)
+    compiled = dag.experimental_compile()
+    try:
+        data = bytes(range(256)) * 4096
+        assert compiled.execute(data).get() == data
+        ba = bytearray(data)
+        out = compiled.execute(ba).get()
+        assert isinstance(out, bytearray) and out == ba
+    finally:
+        compiled.teardown()
+
+
+def test_large_value_over_the_buffer_size(pair):
+    a, _ = pair
+    with InputNode() as inp:
+        dag = a.echo.bind(inp)
+    compiled = dag.experimental_compile(_buffer_size_bytes=1 << 16)
+    try:
+        big = np.random.default_rng(1).integers(0, 255, size=32 << 20, dtype=np.uint8)
+        assert np.array_equal(compiled.execute(big).get(), big)
+        objs = [list(range(100_000)), {"k": "v" * 100_000}]
+        for o in objs:
+            assert compiled.execute(o).get() == o
+    finally:
+        compiled.teardown()
+
+
+def test_lambdas_travel_by_value(pair):
+    a, _ = pair
+    with InputNode() as inp:
+        dag = a.echo.bind(inp)
+    compiled = dag.experimental_compile()
+    try:
+        f = compiled.execute(lambda v: v + 1).get()
+        assert f(1) == 2
+    finally:
+        compiled.teardown()
+
+
+def test_memoryview_is_read_in_place(pair):
+    a, _ = pair
+    with InputNode() as inp:
+        dag = a.echo.bind(inp)
+    compiled = dag.experimental_compile()
+    try:
+        data = bytes(range(256)) * 4096  # 1 MiB
+        out = compiled.execute(memoryview(data)).get()
+        assert isinstance(out, memoryview)
+        assert out.readonly
+        assert isinstance(out.obj, adag._native.ShmBuffer)
+        assert out.tobytes() == data
+        # A view of another format travels as its bytes.
+        ints = memoryview(np.arange(1000, dtype=np.int32))
+        back = compiled.execute(ints).get()
+        assert back.tobytes() == ints.tobytes()
+    finally:
+        compiled.teardown()
