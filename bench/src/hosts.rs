@@ -18,9 +18,9 @@ impl Bench {
     /// Every cross-host workload, with three hosts joined for the run.
     pub(super) fn hosts(&mut self) -> Result<()> {
         let keys: Vec<String> = [
-            "tcp_pingpong/raw",
-            "tcp_echo_1MiB/raw",
-            "tcp_echo_100MiB/raw",
+            "tcp_pingpong/hosts_floor",
+            "tcp_echo_1MiB/hosts_floor",
+            "tcp_echo_100MiB/hosts_floor",
             "echo/hosts",
             "chain3/hosts",
             "chain3_pipe16/hosts",
@@ -136,7 +136,7 @@ impl Bench {
             ("tcp_echo_100MiB", 100 << 20),
         ];
         for (name, size) in sizes {
-            let key = format!("{name}/raw");
+            let key = format!("{name}/hosts_floor");
             if !self.wants(&key) {
                 continue;
             }
@@ -170,7 +170,7 @@ impl Bench {
             })?;
             echo.join()
                 .map_err(|_| anyhow::anyhow!("the echo thread panicked"))??;
-            let mut row: super::Row = m.row(name, "raw", String::new());
+            let mut row: super::Row = m.row(name, "hosts_floor", String::new());
             if size > 8 {
                 let gbps = size as f64 / (m.p50_us() * 1e-6) / 1e9;
                 row.gb_per_s = Some(gbps);

@@ -221,13 +221,18 @@ def main():
     common = (["--quick"] if args.quick else []) + (["--filter", args.filter] if args.filter else [])
     adag_cmd = [args.adag_bin] + common + args.adag_args.split()
     ray_cmd = [args.ray_python, os.path.join(ROOT, "scripts", "ray", "workloads.py")] + common + args.ray_args.split()
-    ray_cmds = [ray_cmd]
-    wants_hosts = not args.no_hosts and (args.filter is None or "hosts" in args.filter or args.filter in "/hosts")
+    # A filter naming the cross-host rows selects nothing of workloads.py (its rows are all
+    # `/process`), and one naming a placement of this host nothing of hosts.py.
+    only_hosts = args.filter is not None and "hosts" in args.filter
+    ray_cmds = [] if only_hosts else [ray_cmd]
+    wants_hosts = not args.no_hosts and (args.filter is None or only_hosts or args.filter in "/hosts")
     if wants_hosts:
         ray_cmds.append([args.ray_python, os.path.join(ROOT, "scripts", "ray", "hosts.py")] + common
                         + args.ray_args.split())
 
-    py_missing = "--no-py given" if args.no_py else adag_python_available(args.py_python)
+    py_missing = ("--no-py given" if args.no_py else
+                  "the cross-host rows have no Python counterpart" if only_hosts else
+                  adag_python_available(args.py_python))
     if py_missing:
         print(f"adag's Python package is not measured: {py_missing}", file=sys.stderr)
     py_cmd = [args.py_python, os.path.join(ROOT, "scripts", "ray", "workloads.py"), "--system", "adag"] + common \

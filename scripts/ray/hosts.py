@@ -110,9 +110,16 @@ def main():
             def check(i, v):
                 expect(v == i + 3, f"chain returned {v} for {i}")
 
-            m = pipelined(dag, 16, warm(2 * sync), 2 * sync, check)
+            try:
+                m = pipelined(dag, 16, warm(2 * sync), 2 * sync, check)
+                push(row(m, "chain3_pipe16", "16 in flight over 3 nodes"))
+            except ray.exceptions.RayChannelTimeoutError as e:
+                # Seen here: with 16 in flight across nodes Ray's submit waits out its timeout.
+                print(f"  chain3_pipe16/hosts failed: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+                rows.append({"key": "chain3_pipe16/hosts", "workload": "chain3_pipe16", "placement": "hosts",
+                             "p50_us": None, "p99_us": None, "throughput_per_s": None, "gb_per_s": None,
+                             "count": 0, "note": f"Ray failed: {type(e).__name__} (submit timed out)"})
             dag.teardown()
-            push(row(m, "chain3_pipe16", "16 in flight over 3 nodes"))
         if want("fanout3/hosts"):
             with InputNode() as inp:
                 out = MultiOutputNode([s.add.bind(inp) for s in stages])

@@ -221,9 +221,12 @@ pub(crate) struct FrameReader {
     /// Bytes received and not yet consumed (`ahead[..filled]` from `at`).
     ahead: Vec<u8>,
     at: usize,
-    /// A frame larger than what was buffered, being received straight into its own memory:
-    /// its tag and its bytes so far (its capacity is its length).
-    large: Option<(u8, Vec<u8>)>,
+    /// A frame larger than what was buffered, being received straight into its own memory.
+    large: Option<Large>,
+    /// The memory of the last large frame, back once its value was dropped: the next large
+    /// frame reuses it rather than faulting fresh pages in (a new 100 MiB mapping costs more
+    /// than receiving into it).
+    spare: Recycler,
     /// A protocol error ended the stream: every later read says so.
     broken: Option<String>,
 }
@@ -237,8 +240,14 @@ impl FrameReader {
             ahead: Vec::with_capacity(READ_AHEAD),
             at: 0,
             large: None,
+            spare: Recycler::default(),
             broken: None,
         }
+    }
+
+    /// Where large frames return their memory when their value is dropped.
+    pub(crate) fn recycler(&self) -> Recycler {
+        self.spare.clone()
     }
 
     /// One non-blocking receive appended to `buf` (within its capacity): `Ok(true)` when
@@ -249,6 +258,19 @@ impl FrameReader {
                 Ok(0) => Err(ChanError::Closed),
                 Ok(_) => Ok(true),
                 Err(rustix::io::Errno::AGAIN) => Ok(false),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => Err(io_error(e.into())),
+            };
+        }
+    }
+
+    /// One non-blocking receive into `buf`: how many bytes came (0: none were there).
+    fn receive_into(stream: &TcpStream, buf: &mut [u8]) -> Result<usize, ChanError> {
+        loop {
+            return match rustix::io::read(stream, &mut *buf) {
+                Ok(0) => Err(ChanError::Closed),
+                Ok(n) => Ok(n),
+                Err(rustix::io::Errno::AGAIN) => Ok(0),
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => Err(io_error(e.into())),
             };
@@ -280,22 +302,57 @@ impl FrameReader {
             return Ok(Some((tag, frame)));
         }
         if HEADER + len > READ_AHEAD {
-            let mut frame = Vec::with_capacity(len);
-            frame.extend_from_slice(body);
+            let large = match self.spare.take(len) {
+                Some(mut buf) => {
+                    buf[..body.len()].copy_from_slice(body);
+                    Large::Reused {
+                        tag,
+                        filled: body.len(),
+                        buf,
+                    }
+                }
+                None => {
+                    let mut buf = Vec::with_capacity(len);
+                    if buf.capacity() != len {
+                        // Spare-capacity receives end at the capacity: it must be the length.
+                        buf = vec![0u8; len];
+                        buf[..body.len()].copy_from_slice(body);
+                        Large::Reused {
+                            tag,
+                            filled: body.len(),
+                            buf,
+                        }
+                    } else {
+                        buf.extend_from_slice(body);
+                        Large::Fresh { tag, buf }
+                    }
+                }
+            };
             self.at = 0;
             self.ahead.clear();
-            self.large = Some((tag, frame));
+            self.large = Some(large);
         }
         Ok(None)
     }
 
     /// One step towards the next frame: parse what is buffered, else receive once.
     fn advance(&mut self) -> Result<Progress, ChanError> {
-        if let Some((_, frame)) = &mut self.large {
-            let got = Self::receive(&self.stream, frame)?;
-            if frame.len() == frame.capacity() {
-                let (tag, frame) = self.large.take().expect("a large frame");
-                return Ok(Progress::Frame(tag, frame));
+        if let Some(large) = &mut self.large {
+            let (got, whole) = match large {
+                Large::Fresh { buf, .. } => {
+                    let got = Self::receive(&self.stream, buf)?;
+                    (got, buf.len() == buf.capacity())
+                }
+                Large::Reused { buf, filled, .. } => {
+                    let got = Self::receive_into(&self.stream, &mut buf[*filled..])?;
+                    *filled += got;
+                    (got > 0, *filled == buf.len())
+                }
+            };
+            if whole {
+                let (Large::Fresh { tag, buf } | Large::Reused { tag, buf, .. }) =
+                    self.large.take().expect("a large frame");
+                return Ok(Progress::Frame(tag, buf));
             }
             return Ok(if got { Progress::Some } else { Progress::None });
         }
@@ -352,6 +409,62 @@ impl FrameReader {
     }
 }
 
+/// A large frame being received into memory of its own.
+enum Large {
+    /// Fresh memory, filled through its spare capacity (its capacity is the frame's length).
+    Fresh { tag: u8, buf: Vec<u8> },
+    /// Recycled memory, cut to the frame's length, `filled` bytes of it received.
+    Reused {
+        tag: u8,
+        buf: Vec<u8>,
+        filled: usize,
+    },
+}
+
+/// Holds the memory of one dropped large frame for the next (see [`FrameReader`]).
+#[derive(Clone, Default)]
+pub(crate) struct Recycler(Arc<parking_lot::Mutex<Option<Vec<u8>>>>);
+
+impl Recycler {
+    /// Memory of `len` initialized bytes, if a dropped frame left enough.
+    fn take(&self, len: usize) -> Option<Vec<u8>> {
+        let mut buf = self.0.lock().take().filter(|b| b.len() >= len)?;
+        buf.truncate(len);
+        Some(buf)
+    }
+
+    /// The frame's bytes as [`Bytes`] that give their memory back here once dropped.
+    pub(crate) fn wrap(&self, frame: Vec<u8>) -> Bytes {
+        Bytes::from_owner(Recycled {
+            frame,
+            home: Arc::downgrade(&self.0),
+        })
+    }
+}
+
+/// A large frame's memory that returns to its reader's [`Recycler`] when dropped.
+struct Recycled {
+    frame: Vec<u8>,
+    home: std::sync::Weak<parking_lot::Mutex<Option<Vec<u8>>>>,
+}
+
+impl AsRef<[u8]> for Recycled {
+    fn as_ref(&self) -> &[u8] {
+        &self.frame
+    }
+}
+
+impl Drop for Recycled {
+    fn drop(&mut self) {
+        if let Some(home) = self.home.upgrade() {
+            let mut slot = home.lock();
+            if slot.as_ref().is_none_or(|b| b.len() < self.frame.len()) {
+                *slot = Some(std::mem::take(&mut self.frame));
+            }
+        }
+    }
+}
+
 /// What one step of a [`FrameReader`] achieved.
 enum Progress {
     Frame(u8, Vec<u8>),
@@ -378,7 +491,11 @@ impl<T> NetRx<T> {
 impl<T: DeserializeOwned> ChannelReader<T> for NetRx<T> {
     fn read(&mut self, deadline: Option<Instant>) -> Result<Msg<T>, ChanError> {
         let (tag, frame) = self.frames.next(deadline)?;
-        let frame = Bytes::from(frame);
+        let frame = if frame.len() + HEADER > READ_AHEAD {
+            self.frames.recycler().wrap(frame)
+        } else {
+            Bytes::from(frame)
+        };
         let keep = || frame.clone();
         let decoded = match tag {
             TAG_VALUE => frame::decode::<T>(&frame, frame.len(), keep).map(Msg::Value),
