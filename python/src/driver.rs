@@ -360,7 +360,7 @@ impl NativeGraph {
         let g = self.live(py)?;
         let input = self.input(py, &args, kwargs.as_ref())?;
         let refs = py
-            .allow_threads(|| block_on(g.execute_async(input)))
+            .allow_threads(|| pollster::block_on(g.execute_async(input)))
             .map_err(|e| to_py_err(py, e))?;
         self.wrap(py, refs)
     }
@@ -458,29 +458,6 @@ fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
     match std::pin::pin!(f).poll(&mut cx) {
         std::task::Poll::Ready(v) => Some(v),
         std::task::Poll::Pending => None,
-    }
-}
-
-/// Run a future to completion on this thread, parking it while the future waits.
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    use std::task::{Context, Poll, Wake, Waker};
-    struct Unpark(std::thread::Thread);
-    impl Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-        fn wake_by_ref(self: &Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut f = std::pin::pin!(f);
-    loop {
-        match f.as_mut().poll(&mut cx) {
-            Poll::Ready(v) => return v,
-            Poll::Pending => std::thread::park(),
-        }
     }
 }
 
@@ -597,7 +574,7 @@ impl CompiledDAGRef {
             // An await began with `_poll` and was cancelled: finish its future here.
             if let Some(p) = self.polled.lock().take() {
                 let v = py
-                    .allow_threads(|| block_on(p.fut))
+                    .allow_threads(|| pollster::block_on(p.fut))
                     .map_err(|e| to_py_err(py, e))?;
                 return loads(py, &v);
             }
@@ -612,7 +589,7 @@ impl CompiledDAGRef {
             if asyncio {
                 // A future of an asyncio graph, awaited from an executor's thread (asyncio's
                 // own `wait_for` bounds it).
-                return block_on(std::future::IntoFuture::into_future(r));
+                return pollster::block_on(std::future::IntoFuture::into_future(r));
             }
             match timeout {
                 None => r.get(),

@@ -43,35 +43,33 @@ pub(crate) struct AgentContext {
     pub driver_ip: IpAddr,
 }
 
-/// Tells the driver that an actor's worker died (given to the services when they are made).
+/// Tells the driver what happened to the actors of this host (given to the services when they
+/// are made): deaths, and schedules that stopped on their own.
 #[derive(Clone)]
 pub(crate) struct DeathReporter(Arc<Mutex<Option<TcpStream>>>);
 
 impl DeathReporter {
-    /// Tells the driver that `actor`'s schedule of `graph` stopped on its own.
-    pub(crate) fn graph_fault(&self, graph: u64, actor: &str, reason: &str) {
+    fn tell(&self, msg: &ToDriver) {
         if let Some(stream) = self.0.lock().as_mut() {
-            let _ = wire::write_frame(
-                stream,
-                &ToDriver::GraphFault {
-                    graph,
-                    actor: actor.to_string(),
-                    reason: reason.to_string(),
-                },
-            );
+            let _ = wire::write_frame(stream, msg);
         }
     }
 
+    /// Tells the driver that `actor`'s schedule of `graph` stopped on its own.
+    pub(crate) fn graph_fault(&self, graph: u64, actor: &str, reason: &str) {
+        self.tell(&ToDriver::GraphFault {
+            graph,
+            actor: actor.to_string(),
+            reason: reason.to_string(),
+        });
+    }
+
+    /// Tells the driver that `actor`'s worker died.
     pub(crate) fn died(&self, actor: u64, reason: &str) {
-        if let Some(stream) = self.0.lock().as_mut() {
-            let _ = wire::write_frame(
-                stream,
-                &ToDriver::Died {
-                    actor,
-                    reason: reason.to_string(),
-                },
-            );
-        }
+        self.tell(&ToDriver::Died {
+            actor,
+            reason: reason.to_string(),
+        });
     }
 }
 
