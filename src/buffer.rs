@@ -17,6 +17,11 @@ use std::ops::Deref;
 /// so that a kept buffer never holds more than 4 × its size of shared memory. Within one
 /// process a buffer moves without any copy.
 ///
+/// A buffer read in place is written once: an actor that returns it (or a
+/// [`slice`](Self::slice) of it) to the driver, and the driver that sends a result it got
+/// back into the channel it came from, pass a reference to the shared memory it already lies
+/// in instead of copying it again.
+///
 /// # Example
 ///
 /// ```
@@ -56,6 +61,30 @@ impl Buffer {
     /// A buffer holding a copy of `data`.
     pub fn copy_from_slice(data: &[u8]) -> Self {
         Buffer(Bytes::copy_from_slice(data))
+    }
+
+    /// The bytes in `range`, sharing this buffer's memory (no copy).
+    ///
+    /// A slice of a buffer read in place from shared memory stays there, and an actor that
+    /// returns it passes it on without copying it again when the next reader maps the same
+    /// memory (the driver, for a buffer that came from one of its graph's channels).
+    ///
+    /// # Panics
+    ///
+    /// If the range is out of bounds, like slicing `[u8]`.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use adag::Buffer;
+    ///
+    /// let data = Buffer::from(vec![1u8, 2, 3, 4, 5]);
+    /// let tail = data.slice(2..);
+    /// assert_eq!(&tail[..], &[3, 4, 5]);
+    /// assert_eq!(tail.as_ptr(), data[2..].as_ptr());
+    /// ```
+    pub fn slice(&self, range: impl std::ops::RangeBounds<usize>) -> Buffer {
+        Buffer(self.0.slice(range))
     }
 
     /// The bytes, as a [`bytes::Bytes`] sharing this buffer's memory.

@@ -5,7 +5,7 @@
 //! [`ChannelReader`](crate::channel::ChannelReader).
 use super::observe::EdgeCount;
 use crate::channel::local::LocalHub;
-use crate::channel::shm::{ShmChannel, ShmConfig, ShmRx, ShmTx};
+use crate::channel::shm::{ShmChannel, ShmConfig, ShmGroup, ShmRx, ShmTx};
 use crate::channel::{ChanError, EndCounters, FanOut, Msg, Reader, Writer};
 use crate::compile::plan::{ChannelKind, GraphPlan, Loc};
 use crate::error::{Error, Result};
@@ -32,6 +32,9 @@ pub(crate) struct GraphChannels {
     local: LocalHub,
     /// The shared-memory channels mapped here, by channel id.
     shm: HashMap<u64, ShmChannel>,
+    /// In the driver, which created them: every shared-memory channel of the graph, where a
+    /// reader finds the payloads written to it by reference (empty in a worker).
+    group: ShmGroup,
     /// The counters of every writer opened here, by edge (read by the graph's statistics;
     /// locked only when a writer is opened and when statistics are read).
     counters: EdgeCounters,
@@ -72,6 +75,7 @@ impl GraphChannels {
         GraphChannels {
             local: LocalHub::new(spin),
             shm,
+            group: ShmGroup::default(),
             counters: EdgeCounters::default(),
         }
     }
@@ -79,6 +83,16 @@ impl GraphChannels {
     /// The driver's channels of `plan`: makes every channel that crosses a process.
     pub(crate) fn create(plan: &GraphPlan, sizes: &ChannelSizes) -> Result<Self> {
         let mut shm = HashMap::new();
+        // The driver maps every channel it makes until the graph is torn down, so a channel
+        // read only by the driver may carry payloads that lie in any of them by reference.
+        let group = loop {
+            let mut id = [0u8; 8];
+            getrandom::fill(&mut id).map_err(|e| Error::io("a graph's channel group id", e))?;
+            let id = u64::from_le_bytes(id);
+            if id != 0 {
+                break id;
+            }
+        };
         for edge in plan.edges.values() {
             if let Some(s) = edge.channel(ChannelKind::SharedMemory) {
                 let cfg = ShmConfig {
@@ -87,6 +101,8 @@ impl GraphChannels {
                     slot_bytes: sizes.slot_bytes,
                     max_message_bytes: sizes.max_message_bytes,
                     spin: sizes.spin,
+                    group,
+                    readers_map_group: s.readers.iter().all(|r| *r == Loc::Driver),
                 };
                 let ch = ShmChannel::create(&cfg, &format!("adag-g{}-e{}", plan.graph, edge.id))
                     .map_err(|e| {
@@ -98,7 +114,9 @@ impl GraphChannels {
                 shm.insert(s.id, ch);
             }
         }
-        Ok(Self::new(shm, sizes.spin))
+        let mut chans = Self::new(shm, sizes.spin);
+        chans.group = ShmGroup::new(chans.shm.values());
+        Ok(chans)
     }
 
     /// The channels that endpoint `me` (in another process) writes or reads: their ids and
@@ -208,7 +226,9 @@ impl GraphChannels {
                     .map_err(|err| format!("edge {}: {err}", e.label))?,
             ),
             ChannelKind::SharedMemory => Box::new(ShmRx::<T>::new(
-                self.shm(edge, chan.id)?.reader(index as u32),
+                self.shm(edge, chan.id)?
+                    .reader(index as u32)
+                    .in_group(self.group.clone()),
             )),
         })
     }
