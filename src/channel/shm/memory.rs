@@ -448,7 +448,7 @@ impl ShmChannel {
                 "the memfd holds {size} bytes, less than a header"
             )));
         }
-        let cfg = {
+        let (cfg, uid) = {
             let probe = MmapOptions::new()
                 .len(size_of::<ShmHeader>())
                 .map_raw_read_only(&fd)?;
@@ -465,7 +465,7 @@ impl ShmChannel {
                     "layout version {version}, expected {VERSION}"
                 )));
             }
-            ShmConfig {
+            let cfg = ShmConfig {
                 depth: header.depth.load(Ordering::Relaxed),
                 readers: header.readers.load(Ordering::Relaxed),
                 slot_bytes: header.slot_bytes.load(Ordering::Relaxed) as usize,
@@ -473,14 +473,8 @@ impl ShmChannel {
                 spin: Duration::from_nanos(header.spin_ns.load(Ordering::Relaxed)),
                 group: header.group.load(Ordering::Relaxed),
                 readers_map_group: header.readers_map_group.load(Ordering::Relaxed) != 0,
-            }
-        };
-        let uid = {
-            let probe = MmapOptions::new()
-                .len(size_of::<ShmHeader>())
-                .map_raw_read_only(&fd)?;
-            let header: &ShmHeader = view(&probe, size, 0);
-            header.uid.load(Ordering::Relaxed)
+            };
+            (cfg, header.uid.load(Ordering::Relaxed))
         };
         let layout =
             Layout::new(&cfg).map_err(|err| RingError::Corrupt(format!("bad config: {err}")))?;
