@@ -52,6 +52,90 @@ use std::ops::Deref;
 #[derive(Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Buffer(Bytes);
 
+/// Memory lent by a channel for a buffer to be built in place: writable until it is frozen.
+pub(crate) trait LoanedBytes: Send + Sync {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// The bytes, now immutable, keeping the memory lent for as long as they live.
+    fn freeze(self: Box<Self>) -> Bytes;
+}
+
+/// A writable byte buffer to fill and then [`freeze`](Self::freeze) into a [`Buffer`]; from
+/// [`CompiledGraph::input_buffer`](crate::CompiledGraph::input_buffer) it lies in the shared
+/// memory of the graph's input channel, so sending it copies nothing (written once: where the
+/// caller builds it).
+///
+/// # Example
+///
+/// ```
+/// use adag::BufferMut;
+///
+/// let mut data = BufferMut::zeroed(4);
+/// data.copy_from_slice(&[1, 2, 3, 4]);
+/// let frozen = data.freeze();
+/// assert_eq!(&frozen[..], &[1, 2, 3, 4]);
+/// ```
+pub struct BufferMut(Inner);
+
+enum Inner {
+    Heap(Vec<u8>),
+    Loaned(Box<dyn LoanedBytes>),
+}
+
+impl BufferMut {
+    /// `len` zero bytes on the heap.
+    pub fn zeroed(len: usize) -> Self {
+        BufferMut(Inner::Heap(vec![0; len]))
+    }
+
+    pub(crate) fn loaned(memory: Box<dyn LoanedBytes>) -> Self {
+        BufferMut(Inner::Loaned(memory))
+    }
+
+    /// Whether the bytes lie in memory lent by a channel (else on the heap).
+    pub fn is_loaned(&self) -> bool {
+        matches!(self.0, Inner::Loaned(_))
+    }
+
+    /// The bytes as an immutable [`Buffer`], without a copy.
+    pub fn freeze(self) -> Buffer {
+        match self.0 {
+            Inner::Heap(v) => Buffer::from(v),
+            Inner::Loaned(memory) => Buffer(memory.freeze()),
+        }
+    }
+}
+
+impl Deref for BufferMut {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            Inner::Heap(v) => v,
+            Inner::Loaned(memory) => memory.bytes(),
+        }
+    }
+}
+
+impl std::ops::DerefMut for BufferMut {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &mut self.0 {
+            Inner::Heap(v) => v,
+            Inner::Loaned(memory) => memory.bytes_mut(),
+        }
+    }
+}
+
+impl fmt::Debug for BufferMut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "BufferMut({} bytes, loaned: {})",
+            self.len(),
+            self.is_loaned()
+        )
+    }
+}
+
 impl Buffer {
     /// An empty buffer.
     pub fn new() -> Self {

@@ -328,3 +328,78 @@ fn returned_buffers_are_written_once() {
         }
     });
 }
+
+/// A buffer built in memory lent by the graph's input channel crosses to the actor and back
+/// without a copy: the input edge carries a reference, the actor reads it in place, and the
+/// result it returns is the same memory. Results kept by the driver keep their memory; later
+/// loans get other memory, and nothing changes.
+#[test]
+fn input_buffers_built_in_lent_memory_are_never_copied() {
+    with_watchdog("lent_input", WATCHDOG_SECS, || {
+        let Some(rt) = process_runtime() else { return };
+        const LEN: usize = 1 << 20;
+        const RUNS: u64 = 40;
+        let a = rt.spawn::<Inspector>(Placement::Process, ()).unwrap();
+        let opts = CompileOptions::default()
+            .buffer_size_bytes(4096)
+            .max_inflight_executions(2);
+
+        let dag = Dag::<Buffer>::new();
+        let g = dag.compile(a.locate(dag.input()), opts.clone()).unwrap();
+        let mut data = g.input_buffer(LEN);
+        assert!(
+            data.is_loaned(),
+            "a process actor's input channel lends memory"
+        );
+        data.copy_from_slice(&pattern(9, LEN));
+        let data = data.freeze();
+        assert!(in_channel_memory(data.as_ptr()));
+        let (in_place, _, sum) = g.execute(data.clone()).unwrap().get().unwrap();
+        assert!(in_place, "the actor got a copy");
+        assert_eq!(sum, checksum(&data));
+        let sent = edge_bytes(&g.stats(), "input");
+        assert!(
+            sent < 4096,
+            "the input edge carried {sent} bytes for a lent 1 MiB buffer"
+        );
+        g.teardown().unwrap();
+
+        let dag = Dag::<Buffer>::new();
+        let g = dag.compile(a.echo(dag.input()), opts).unwrap();
+        let mut kept = Vec::new();
+        for seq in 0..RUNS {
+            let mut data = g.input_buffer(LEN);
+            data.copy_from_slice(&pattern(seq, LEN));
+            let data = data.freeze();
+            let back = g.execute(data.clone()).unwrap().get().unwrap();
+            assert_eq!(
+                back.as_ptr(),
+                data.as_ptr(),
+                "result {seq} is not the lent memory"
+            );
+            if seq % 4 == 0 {
+                kept.push((seq, back));
+            }
+        }
+        let stats = g.stats();
+        let moved: u64 = stats.edges.iter().map(|e| e.bytes).sum();
+        assert!(
+            moved < RUNS * 8192,
+            "{moved} bytes written for {RUNS} round trips"
+        );
+        for (seq, back) in &kept {
+            assert_eq!(
+                back[..],
+                pattern(*seq, LEN)[..],
+                "kept result {seq} changed"
+            );
+        }
+        // A thread actor's graph has no shared memory to lend: a heap buffer.
+        let t = rt.spawn::<Inspector>(Placement::Thread, ()).unwrap();
+        let dag = Dag::<Buffer>::new();
+        let g = dag
+            .compile(t.echo(dag.input()), CompileOptions::default())
+            .unwrap();
+        assert!(!g.input_buffer(64).is_loaned());
+    });
+}

@@ -410,3 +410,64 @@ fn payloads_passed_on_by_reference_stay_intact_until_dropped() {
         );
     });
 }
+
+/// A buffer built in a channel's lent memory travels by reference: the reader gets the very
+/// bytes, in place; a loan still held is never lent again nor overwritten, memory given back is
+/// lent again, and every pin is released at the end.
+#[test]
+fn lent_memory_is_written_by_reference_and_never_reused_while_held() {
+    use super::EndCounters;
+    const LEN: usize = 100_000;
+    let pc = ShmChannel::create(
+        &ShmConfig {
+            depth: 2,
+            readers: 1,
+            slot_bytes: 4096,
+            max_message_bytes: 1 << 20,
+            ..ShmConfig::default()
+        },
+        "loans",
+    )
+    .unwrap();
+    let counters = Arc::new(EndCounters::default());
+    let mut tx = ShmTx::<Passed>::new(pc.writer()).counted(counters.clone());
+    let mut rx = ShmRx::<Passed>::new(pc.reader(0));
+    let mut held = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for n in 0..200u64 {
+        let mut lent = tx.loan(LEN).expect("memory to lend");
+        assert!(lent.is_loaned());
+        for (i, b) in lent.iter_mut().enumerate() {
+            *b = payload_byte(n, i);
+        }
+        let sent = lent.freeze();
+        let at = sent.as_ptr();
+        seen.insert(at as usize);
+        tx.write(Msg::Value((n, 0, sent)), soon()).unwrap();
+        let got = match rx.read(soon()) {
+            Ok(Msg::Value(v)) => v,
+            other => panic!("message {n}: {:?}", other.map(|_| ())),
+        };
+        assert_eq!(got.2.as_ptr(), at, "message {n} was copied");
+        check_passed(&got, "a lent buffer");
+        // Every fifth is kept to the end; the others are dropped at once.
+        if n % 5 == 0 {
+            held.push(got);
+        }
+    }
+    for kept in &held {
+        check_passed(kept, "a kept lent buffer, at the end");
+    }
+    assert!(
+        seen.len() < 100,
+        "{} distinct blocks for 200 loans: memory given back is not lent again",
+        seen.len()
+    );
+    let bytes = counters.bytes.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        bytes < 200 * 256,
+        "{bytes} bytes written for 200 references"
+    );
+    drop(held);
+    assert_eq!(tx.pinned_blocks(), 0, "pins left");
+}

@@ -771,6 +771,33 @@ impl ShmWriter {
         }
     }
 
+    /// A block of this channel's memory for `len` bytes built in place (a loan), pinned until
+    /// the returned memory and every value made from it are dropped: written to this channel,
+    /// its bytes travel by reference. Never waits: when every block is pinned and no room is
+    /// left it fails with [`RingError::Timeout`].
+    pub fn loan(&mut self, len: usize) -> Result<ShmLoan, RingError> {
+        let shared = self.ring.memory().clone();
+        if len > shared.max_message_bytes {
+            return Err(RingError::TooLarge {
+                size: len,
+                limit: shared.max_message_bytes,
+            });
+        }
+        if len > self.blocks.stride - BLOCK_HEADER {
+            self.blocks.grow(&shared, len);
+        }
+        let block = self.blocks.take(&shared, Some(Instant::now()))?;
+        super::ring::pin(&shared.block(block.at, self.blocks.file_len).pins);
+        // Kept from now on: back among the free blocks once every pin is dropped.
+        self.blocks.kept.push(block);
+        Ok(ShmLoan(ShmPin::hold(
+            shared,
+            block.at,
+            block.payload(),
+            len,
+        )))
+    }
+
     /// Writes one message of kind `tag`. `encode` gets the slot's payload buffer (64-byte
     /// aligned) and returns `Ok(bytes written)`, or `Err(bytes needed)` when the message does
     /// not fit; the writer then grows the channel and calls it again. Waits for a free slot
@@ -1106,6 +1133,33 @@ impl Drop for ShmPin {
         pinned().remove(&(start, self.key));
         let end = self.offset + self.len;
         super::ring::unpin(&self.shared.block(self.block, end).pins);
+    }
+}
+
+/// A block of a channel's memory lent for a buffer built in place ([`ShmWriter::loan`]):
+/// writable through this handle alone until it is frozen into bytes.
+#[derive(Debug)]
+pub(crate) struct ShmLoan(ShmPin);
+
+impl crate::buffer::LoanedBytes for ShmLoan {
+    fn bytes(&self) -> &[u8] {
+        self.0.data()
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let pin = &self.0;
+        // SAFETY: the range lies inside the mapping and the file (the writer carved or reused
+        // the block below its file length). The block was unpinned and out of every slot when
+        // it was lent (nobody reads it), and it stays pinned by this loan, so the writer never
+        // hands it to a slot; no reference to it has been written yet (that needs the frozen
+        // bytes). So this handle is its only accessor, and the slice borrows it mutably.
+        unsafe {
+            std::slice::from_raw_parts_mut(pin.shared.map.as_mut_ptr().add(pin.offset), pin.len)
+        }
+    }
+
+    fn freeze(self: Box<Self>) -> Bytes {
+        Bytes::from_owner(self.0)
     }
 }
 

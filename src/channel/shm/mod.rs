@@ -3,6 +3,7 @@
 //! straight into a slot (a [frame](crate::value::frame), large byte strings out of band); a
 //! reader decodes it in place and keeps large payloads there (pinned) without copying them.
 use super::{ChanError, ChannelReader, ChannelWriter, EndCounters, Msg, bump};
+use crate::buffer::BufferMut;
 use crate::error::TaskError;
 use crate::value::frame;
 use bytes::Bytes;
@@ -153,6 +154,16 @@ impl<T: Serialize> ChannelWriter<T> for ShmTx<T> {
 
     fn moves_values(&self) -> bool {
         false
+    }
+
+    fn loan(&mut self, len: usize) -> Option<BufferMut> {
+        match self.shm.loan(len) {
+            Ok(memory) => Some(BufferMut::loaned(Box::new(memory))),
+            Err(err) => {
+                tracing::debug!(%err, len, "no shared memory to lend; a heap buffer instead");
+                None
+            }
+        }
     }
 }
 
