@@ -724,9 +724,37 @@ impl Blocks {
 
     /// A new block of `stride` bytes at the end of the memfd, allocated and pre-faulted.
     fn carve(&mut self, shared: &ShmShared) -> Result<Block, RingError> {
+        self.carve_sized(shared, self.stride)
+    }
+
+    /// A block to lend for `len` payload bytes: a spare one, or a new one, without changing
+    /// the stride (a large loan must not make every slot's block large), and without waiting.
+    fn lend(&mut self, shared: &Arc<ShmShared>, len: usize) -> Result<Block, RingError> {
+        let size = (len + BLOCK_HEADER).next_multiple_of(rustix::param::page_size());
+        if size <= self.stride {
+            return self.take(shared, Some(Instant::now()));
+        }
+        self.collect_unpinned(shared);
+        if let Some(index) = self.free.iter().position(|b| b.size >= size) {
+            let mut block = self.free.swap_remove(index);
+            if !block.backed {
+                shared.populate(block.at, block.size, true)?;
+                block.backed = true;
+                shared.stamp_block(block.at, block.size, self.file_len);
+            }
+            return Ok(block);
+        }
+        if self.file_len + size > shared.layout.reserve {
+            return Err(RingError::Timeout);
+        }
+        self.carve_sized(shared, size)
+    }
+
+    /// A new block of `size` bytes at the end of the memfd, allocated and pre-faulted.
+    fn carve_sized(&mut self, shared: &ShmShared, size: usize) -> Result<Block, RingError> {
         let block = Block {
             at: self.file_len,
-            size: self.stride,
+            size,
             backed: true,
         };
         let file_len = block.at + block.size;
@@ -783,10 +811,7 @@ impl ShmWriter {
                 limit: shared.max_message_bytes,
             });
         }
-        if len > self.blocks.stride - BLOCK_HEADER {
-            self.blocks.grow(&shared, len);
-        }
-        let block = self.blocks.take(&shared, Some(Instant::now()))?;
+        let block = self.blocks.lend(&shared, len)?;
         super::ring::pin(&shared.block(block.at, self.blocks.file_len).pins);
         // Kept from now on: back among the free blocks once every pin is dropped.
         self.blocks.kept.push(block);
