@@ -1177,7 +1177,10 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
     /// The bytes of lent memory are not cleared: they may hold an earlier message's, so fill
     /// all of them. The memory goes back to the channel once the buffer and every value made
     /// from it (the readers' included) are dropped. Waits for an `execute` of another thread
-    /// that is in progress.
+    /// that is in progress. A tensor is built in lent memory the same way: fill the bytes,
+    /// then [`Tensor::from_bytes`](crate::Tensor::from_bytes) takes the frozen buffer's
+    /// [`into_bytes`](crate::Buffer::into_bytes) without a copy (lent memory is 64-byte
+    /// aligned).
     ///
     /// # Example
     ///
