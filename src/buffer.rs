@@ -17,6 +17,11 @@ use std::ops::Deref;
 /// so that a kept buffer never holds more than 4 × its size of shared memory. Within one
 /// process a buffer moves without any copy.
 ///
+/// A buffer read in place is written once: an actor that returns it (or a
+/// [`slice`](Self::slice) of it) to the driver, and the driver that sends a result it got
+/// back into the channel it came from, pass a reference to the shared memory it already lies
+/// in instead of copying it again.
+///
 /// # Example
 ///
 /// ```
@@ -47,6 +52,90 @@ use std::ops::Deref;
 #[derive(Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Buffer(Bytes);
 
+/// Memory lent by a channel for a buffer to be built in place: writable until it is frozen.
+pub(crate) trait LoanedBytes: Send + Sync {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// The bytes, now immutable, keeping the memory lent for as long as they live.
+    fn freeze(self: Box<Self>) -> Bytes;
+}
+
+/// A writable byte buffer to fill and then [`freeze`](Self::freeze) into a [`Buffer`]; from
+/// [`CompiledGraph::input_buffer`](crate::CompiledGraph::input_buffer) it lies in the shared
+/// memory of the graph's input channel, so sending it copies nothing (written once: where the
+/// caller builds it).
+///
+/// # Example
+///
+/// ```
+/// use adag::BufferMut;
+///
+/// let mut data = BufferMut::zeroed(4);
+/// data.copy_from_slice(&[1, 2, 3, 4]);
+/// let frozen = data.freeze();
+/// assert_eq!(&frozen[..], &[1, 2, 3, 4]);
+/// ```
+pub struct BufferMut(Inner);
+
+enum Inner {
+    Heap(Vec<u8>),
+    Loaned(Box<dyn LoanedBytes>),
+}
+
+impl BufferMut {
+    /// `len` zero bytes on the heap.
+    pub fn zeroed(len: usize) -> Self {
+        BufferMut(Inner::Heap(vec![0; len]))
+    }
+
+    pub(crate) fn loaned(memory: Box<dyn LoanedBytes>) -> Self {
+        BufferMut(Inner::Loaned(memory))
+    }
+
+    /// Whether the bytes lie in memory lent by a channel (else on the heap).
+    pub fn is_loaned(&self) -> bool {
+        matches!(self.0, Inner::Loaned(_))
+    }
+
+    /// The bytes as an immutable [`Buffer`], without a copy.
+    pub fn freeze(self) -> Buffer {
+        match self.0 {
+            Inner::Heap(v) => Buffer::from(v),
+            Inner::Loaned(memory) => Buffer(memory.freeze()),
+        }
+    }
+}
+
+impl Deref for BufferMut {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            Inner::Heap(v) => v,
+            Inner::Loaned(memory) => memory.bytes(),
+        }
+    }
+}
+
+impl std::ops::DerefMut for BufferMut {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &mut self.0 {
+            Inner::Heap(v) => v,
+            Inner::Loaned(memory) => memory.bytes_mut(),
+        }
+    }
+}
+
+impl fmt::Debug for BufferMut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "BufferMut({} bytes, loaned: {})",
+            self.len(),
+            self.is_loaned()
+        )
+    }
+}
+
 impl Buffer {
     /// An empty buffer.
     pub fn new() -> Self {
@@ -56,6 +145,30 @@ impl Buffer {
     /// A buffer holding a copy of `data`.
     pub fn copy_from_slice(data: &[u8]) -> Self {
         Buffer(Bytes::copy_from_slice(data))
+    }
+
+    /// The bytes in `range`, sharing this buffer's memory (no copy).
+    ///
+    /// A slice of a buffer read in place from shared memory stays there, and an actor that
+    /// returns it passes it on without copying it again when the next reader maps the same
+    /// memory (the driver, for a buffer that came from one of its graph's channels).
+    ///
+    /// # Panics
+    ///
+    /// If the range is out of bounds, like slicing `[u8]`.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use adag::Buffer;
+    ///
+    /// let data = Buffer::from(vec![1u8, 2, 3, 4, 5]);
+    /// let tail = data.slice(2..);
+    /// assert_eq!(&tail[..], &[3, 4, 5]);
+    /// assert_eq!(tail.as_ptr(), data[2..].as_ptr());
+    /// ```
+    pub fn slice(&self, range: impl std::ops::RangeBounds<usize>) -> Buffer {
+        Buffer(self.0.slice(range))
     }
 
     /// The bytes, as a [`bytes::Bytes`] sharing this buffer's memory.

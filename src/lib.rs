@@ -18,7 +18,7 @@ mod value;
 
 pub use actor::{Actor, ActorHandle, HandleCore, Placement, Runtime, SpawnOptions};
 pub use adag_macros::actor;
-pub use buffer::Buffer;
+pub use buffer::{Buffer, BufferMut};
 pub use comm::{CommError, CommId, Communicator, CommunicatorFactory, CommunicatorGroup, ReduceOp};
 pub use compile::{CompileOptions, DefaultCommunicator};
 pub use dag::collective;

@@ -71,6 +71,11 @@ impl Inspector {
         data
     }
 
+    /// The bytes from `from` on, without a copy.
+    pub fn tail(&mut self, data: Buffer, from: u64) -> Buffer {
+        data.slice(from as usize..)
+    }
+
     /// Whether the tensor's data is in channel memory, whether it is 64-byte aligned, and the
     /// sum of its elements.
     pub fn locate_tensor(&mut self, t: Tensor) -> (bool, bool, f64) {
@@ -234,5 +239,167 @@ fn buffers_move_between_threads_without_a_copy() {
         let (_, address, sum) = g.execute(data.clone()).unwrap().get().unwrap();
         assert_eq!(address, data.as_ptr() as u64);
         assert_eq!(sum, checksum(&data));
+    });
+}
+
+/// The bytes written on the edge whose label contains `name`.
+fn edge_bytes(stats: &adag::GraphStats, name: &str) -> u64 {
+    stats
+        .edges
+        .iter()
+        .filter(|e| e.label.contains(name))
+        .map(|e| e.bytes)
+        .sum()
+}
+
+/// A buffer the actor returns, whole or sliced, reaches the driver by reference to the input
+/// channel's memory (written once); the driver keeps results while the graph goes on, sends
+/// some of them again (by reference, in the channel they lie in), and none of them changes.
+/// A chain passes the payload on between actors by copy (the next actor does not map the
+/// first channel) and back to the driver by reference.
+#[test]
+fn returned_buffers_are_written_once() {
+    with_watchdog("written_once", WATCHDOG_SECS, || {
+        let Some(rt) = process_runtime() else { return };
+        const LEN: usize = 1 << 20;
+        const RUNS: u64 = 60;
+        let a = rt.spawn::<Inspector>(Placement::Process, ()).unwrap();
+        let b = rt.spawn::<Inspector>(Placement::Process, ()).unwrap();
+        let opts = CompileOptions::default()
+            .buffer_size_bytes(LEN + 64)
+            .max_inflight_executions(2);
+
+        let dag = Dag::<(Buffer, u64)>::new();
+        let input = dag.input();
+        let g = dag
+            .compile(a.tail(input.arg::<0>(), input.arg::<1>()), opts.clone())
+            .unwrap();
+        let mut kept = Vec::new();
+        for seq in 0..RUNS {
+            let skip = seq % 3 * 100;
+            // Every fifth input is a result the driver got back: already in shared memory.
+            let (sent, from) = match kept.get(seq as usize / 2) {
+                Some((origin, from, data)) if seq % 5 == 4 => {
+                    (Buffer::clone(data), (*origin, *from))
+                }
+                _ => (pattern(seq, LEN), (seq, 0)),
+            };
+            let back = g.execute((sent, skip)).unwrap().get().unwrap();
+            assert!(in_channel_memory(back.as_ptr()), "result {seq} was copied");
+            let (origin, from) = (from.0, from.1 + skip as usize);
+            assert_eq!(back[..], pattern(origin, LEN)[from..], "result {seq}");
+            kept.push((origin, from, back));
+        }
+        let stats = g.stats();
+        let returned = edge_bytes(&stats, "tail");
+        assert!(
+            stats
+                .edges
+                .iter()
+                .any(|e| e.label.contains("tail") && e.messages == RUNS),
+            "no edge of the actor's results in {:?}",
+            stats.edges
+        );
+        assert!(
+            returned < RUNS * 4096,
+            "the actor wrote {returned} bytes for {RUNS} results of 1 MiB: copies, not references"
+        );
+        let sent = edge_bytes(&stats, "input[0]");
+        assert!(
+            sent < (RUNS - 10) * LEN as u64,
+            "the driver wrote {sent} bytes: results sent again were copied"
+        );
+        g.teardown().unwrap();
+        for (origin, from, back) in &kept {
+            assert_eq!(
+                back[..],
+                pattern(*origin, LEN)[*from..],
+                "a kept result changed"
+            );
+        }
+
+        let dag = Dag::<Buffer>::new();
+        let g = dag.compile(b.echo(a.echo(dag.input())), opts).unwrap();
+        for seq in 0..20 {
+            let data = pattern(seq, LEN);
+            let back = g.execute(data.clone()).unwrap().get().unwrap();
+            assert!(in_channel_memory(back.as_ptr()), "result {seq} was copied");
+            assert_eq!(back, data, "result {seq}");
+        }
+    });
+}
+
+/// A buffer built in memory lent by the graph's input channel crosses to the actor and back
+/// without a copy: the input edge carries a reference, the actor reads it in place, and the
+/// result it returns is the same memory. Results kept by the driver keep their memory; later
+/// loans get other memory, and nothing changes.
+#[test]
+fn input_buffers_built_in_lent_memory_are_never_copied() {
+    with_watchdog("lent_input", WATCHDOG_SECS, || {
+        let Some(rt) = process_runtime() else { return };
+        const LEN: usize = 1 << 20;
+        const RUNS: u64 = 40;
+        let a = rt.spawn::<Inspector>(Placement::Process, ()).unwrap();
+        let opts = CompileOptions::default()
+            .buffer_size_bytes(4096)
+            .max_inflight_executions(2);
+
+        let dag = Dag::<Buffer>::new();
+        let g = dag.compile(a.locate(dag.input()), opts.clone()).unwrap();
+        let mut data = g.input_buffer(LEN);
+        assert!(
+            data.is_loaned(),
+            "a process actor's input channel lends memory"
+        );
+        data.copy_from_slice(&pattern(9, LEN));
+        let data = data.freeze();
+        assert!(in_channel_memory(data.as_ptr()));
+        let (in_place, _, sum) = g.execute(data.clone()).unwrap().get().unwrap();
+        assert!(in_place, "the actor got a copy");
+        assert_eq!(sum, checksum(&data));
+        let sent = edge_bytes(&g.stats(), "input");
+        assert!(
+            sent < 4096,
+            "the input edge carried {sent} bytes for a lent 1 MiB buffer"
+        );
+        g.teardown().unwrap();
+
+        let dag = Dag::<Buffer>::new();
+        let g = dag.compile(a.echo(dag.input()), opts).unwrap();
+        let mut kept = Vec::new();
+        for seq in 0..RUNS {
+            let mut data = g.input_buffer(LEN);
+            data.copy_from_slice(&pattern(seq, LEN));
+            let data = data.freeze();
+            let back = g.execute(data.clone()).unwrap().get().unwrap();
+            assert_eq!(
+                back.as_ptr(),
+                data.as_ptr(),
+                "result {seq} is not the lent memory"
+            );
+            if seq % 4 == 0 {
+                kept.push((seq, back));
+            }
+        }
+        let stats = g.stats();
+        let moved: u64 = stats.edges.iter().map(|e| e.bytes).sum();
+        assert!(
+            moved < RUNS * 8192,
+            "{moved} bytes written for {RUNS} round trips"
+        );
+        for (seq, back) in &kept {
+            assert_eq!(
+                back[..],
+                pattern(*seq, LEN)[..],
+                "kept result {seq} changed"
+            );
+        }
+        // A thread actor's graph has no shared memory to lend: a heap buffer.
+        let t = rt.spawn::<Inspector>(Placement::Thread, ()).unwrap();
+        let dag = Dag::<Buffer>::new();
+        let g = dag
+            .compile(t.echo(dag.input()), CompileOptions::default())
+            .unwrap();
+        assert!(!g.input_buffer(64).is_loaned());
     });
 }

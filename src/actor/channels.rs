@@ -6,7 +6,7 @@
 use super::observe::EdgeCount;
 use crate::channel::local::LocalHub;
 use crate::channel::net::{self, NetRx, NetTx};
-use crate::channel::shm::{ShmChannel, ShmConfig, ShmRx, ShmTx};
+use crate::channel::shm::{ShmChannel, ShmConfig, ShmGroup, ShmRx, ShmTx};
 use crate::channel::{ChanError, EndCounters, FanOut, Msg, Reader, Writer};
 use crate::cluster::data::DataPlane;
 use crate::compile::plan::{ChannelKind, GraphPlan, Loc};
@@ -45,6 +45,10 @@ pub(crate) struct GraphChannels {
     /// The ceiling of one message (network ends check it themselves).
     max_message_bytes: usize,
     spin: Duration,
+    /// In the process that created them (the driver, an agent): every shared-memory channel
+    /// of the graph it made, where a reader finds the payloads written to it by reference
+    /// (empty in a worker).
+    group: ShmGroup,
     /// The counters of every writer opened here, by edge (read by the graph's statistics;
     /// locked only when a writer is opened and when statistics are read).
     counters: EdgeCounters,
@@ -98,6 +102,7 @@ impl GraphChannels {
             net_all: Mutex::new(Vec::new()),
             max_message_bytes,
             spin,
+            group: ShmGroup::default(),
             counters: EdgeCounters::default(),
         }
     }
@@ -107,6 +112,16 @@ impl GraphChannels {
     /// each network channel relayed to readers there.
     pub(crate) fn create(plan: &GraphPlan, sizes: &ChannelSizes, host: u64) -> Result<Self> {
         let mut shm = HashMap::new();
+        // The driver maps every channel it makes until the graph is torn down, so a channel
+        // read only by the driver may carry payloads that lie in any of them by reference.
+        let group = loop {
+            let mut id = [0u8; 8];
+            getrandom::fill(&mut id).map_err(|e| Error::io("a graph's channel group id", e))?;
+            let id = u64::from_le_bytes(id);
+            if id != 0 {
+                break id;
+            }
+        };
         for edge in plan.edges.values() {
             let here = plan.host_of(edge.writer) == host;
             for chan in &edge.channels {
@@ -124,6 +139,8 @@ impl GraphChannels {
                     slot_bytes: sizes.slot_bytes,
                     max_message_bytes: sizes.max_message_bytes,
                     spin: sizes.spin,
+                    group,
+                    readers_map_group: chan.readers.iter().all(|r| *r == Loc::Driver),
                 };
                 let ch = ShmChannel::create(&cfg, &format!("adag-g{}-c{}", plan.graph, chan.id))
                     .map_err(|e| {
@@ -135,7 +152,9 @@ impl GraphChannels {
                 shm.insert(chan.id, ch);
             }
         }
-        Ok(Self::new(shm, sizes.spin, sizes.max_message_bytes))
+        let mut chans = Self::new(shm, sizes.spin, sizes.max_message_bytes);
+        chans.group = ShmGroup::new(chans.shm.values());
+        Ok(chans)
     }
 
     /// Opens host `host`'s network connections of `plan`: connects to the reading host of each
@@ -373,7 +392,9 @@ impl GraphChannels {
                     .map_err(|err| format!("edge {}: {err}", e.label))?,
             ),
             ChannelKind::SharedMemory => Box::new(ShmRx::<T>::new(
-                self.shm(edge, chan.id)?.reader(index as u32),
+                self.shm(edge, chan.id)?
+                    .reader(index as u32)
+                    .in_group(self.group.clone()),
             )),
             ChannelKind::Network if chan.relayed() => Box::new(ShmRx::<T>::new(
                 self.shm(edge, chan.id)?.reader(index as u32),

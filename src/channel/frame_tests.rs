@@ -280,3 +280,194 @@ proptest! {
         }
     }
 }
+
+/// Byte `i` of the payload first sent as message `origin`.
+fn payload_byte(origin: u64, i: usize) -> u8 {
+    ((i as u64).wrapping_mul(31) ^ origin.wrapping_mul(0x9e37) ^ (i as u64 >> 9)) as u8
+}
+
+/// The payload first sent as message `origin`: between 150 and 300 kB, so that every one
+/// travels out of band, the channels grow, and every one is read in place (at least a quarter
+/// of its block).
+fn payload(origin: u64) -> crate::Buffer {
+    let len = 150_000 + (origin as usize * 7_919) % 150_000;
+    crate::Buffer::from(
+        (0..len)
+            .map(|i| payload_byte(origin, i))
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// A payload, as the bytes from `skip` on of the one first sent as message `origin`.
+type Passed = (u64, u64, crate::Buffer);
+
+#[track_caller]
+fn check_passed((origin, skip, data): &Passed, what: &str) {
+    let intact = data
+        .iter()
+        .enumerate()
+        .all(|(i, b)| *b == payload_byte(*origin, *skip as usize + i));
+    assert!(
+        intact,
+        "{what}: payload {origin} (from byte {skip}) changed"
+    );
+}
+
+/// Payloads passed on by reference, as a driver and a process actor do: the "driver" writes
+/// fresh payloads, and results it got back, into channel A; the "actor" reads them in place
+/// and returns them (or a slice) on channel B, whose reader maps A (one group). The driver
+/// keeps some results while the writers go on, and checks every payload whenever it is read
+/// and again before it is dropped: a block reused while a reader still holds it shows as a
+/// changed payload. At the end every pin was released (no leak, no pin dropped twice), and
+/// channel B carried references only.
+#[test]
+fn payloads_passed_on_by_reference_stay_intact_until_dropped() {
+    use super::EndCounters;
+    use super::shm::ShmGroup;
+    use super::wait::watchdog::{WATCHDOG, with_watchdog};
+    use std::collections::VecDeque;
+    use std::sync::mpsc;
+    const MESSAGES: u64 = 600;
+    const HELD: usize = 6;
+    with_watchdog(WATCHDOG, || {
+        let cfg = |readers_map_group| ShmConfig {
+            depth: 2,
+            readers: 1,
+            slot_bytes: 64 << 10,
+            max_message_bytes: 4 << 20,
+            group: 0x5eed,
+            readers_map_group,
+            ..ShmConfig::default()
+        };
+        let a = ShmChannel::create(&cfg(false), "by-ref-a").unwrap();
+        let b = ShmChannel::create(&cfg(true), "by-ref-b").unwrap();
+        let group = ShmGroup::new([&a, &b]);
+        let on_b = Arc::new(EndCounters::default());
+
+        let mut actor_in = ShmRx::<Passed>::new(a.reader(0));
+        let mut actor_out = ShmTx::<Passed>::new(b.writer()).counted(on_b.clone());
+        let actor = std::thread::spawn(move || {
+            loop {
+                let (origin, skip, data) = match actor_in.read(None) {
+                    Ok(Msg::Value(v)) => v,
+                    Err(ChanError::Closed) => break,
+                    other => panic!("actor: {:?}", other.map(|_| ())),
+                };
+                check_passed(&(origin, skip, data.clone()), "actor");
+                // Every third one is passed on as a slice.
+                let out = if origin % 3 == 0 {
+                    (origin, skip + 16, data.slice(16..))
+                } else {
+                    (origin, skip, data)
+                };
+                actor_out.write(Msg::Value(out), None).unwrap();
+            }
+            actor_out
+        });
+
+        let (again_tx, again_rx) = mpsc::channel::<Passed>();
+        let mut results = ShmRx::<Passed>::new(b.reader(0).in_group(group));
+        let reader = std::thread::spawn(move || {
+            let mut held = VecDeque::new();
+            for n in 0..MESSAGES {
+                let got = match results.read(None) {
+                    Ok(Msg::Value(v)) => v,
+                    other => panic!("driver: result {n}: {:?}", other.map(|_| ())),
+                };
+                check_passed(&got, "driver");
+                if n % 4 == 1 {
+                    // Sent again: by reference to the block it already lies in.
+                    let _ = again_tx.send(got.clone());
+                }
+                held.push_back(got);
+                if held.len() > HELD {
+                    check_passed(&held.pop_front().unwrap(), "a kept result");
+                }
+            }
+            for kept in &held {
+                check_passed(kept, "a kept result, at the end");
+            }
+        });
+
+        let mut writer = ShmTx::<Passed>::new(a.writer());
+        for n in 0..MESSAGES {
+            let next = match again_rx.try_recv() {
+                Ok(again) if n % 2 == 0 => again,
+                _ => (n, 0, payload(n)),
+            };
+            writer.write(Msg::Value(next), None).unwrap();
+        }
+        reader.join().unwrap();
+        drop(again_rx);
+        a.close();
+        let actor_out = actor.join().unwrap();
+        assert_eq!(writer.pinned_blocks(), 0, "channel A: pins left");
+        assert_eq!(actor_out.pinned_blocks(), 0, "channel B: pins left");
+        let bytes = on_b.bytes.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            bytes < MESSAGES * 256,
+            "channel B carried {bytes} bytes for {MESSAGES} references"
+        );
+    });
+}
+
+/// A buffer built in a channel's lent memory travels by reference: the reader gets the very
+/// bytes, in place; a loan still held is never lent again nor overwritten, memory given back is
+/// lent again, and every pin is released at the end.
+#[test]
+fn lent_memory_is_written_by_reference_and_never_reused_while_held() {
+    use super::EndCounters;
+    const LEN: usize = 100_000;
+    let pc = ShmChannel::create(
+        &ShmConfig {
+            depth: 2,
+            readers: 1,
+            slot_bytes: 4096,
+            max_message_bytes: 1 << 20,
+            ..ShmConfig::default()
+        },
+        "loans",
+    )
+    .unwrap();
+    let counters = Arc::new(EndCounters::default());
+    let mut tx = ShmTx::<Passed>::new(pc.writer()).counted(counters.clone());
+    let mut rx = ShmRx::<Passed>::new(pc.reader(0));
+    let mut held = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for n in 0..200u64 {
+        let mut lent = tx.loan(LEN).expect("memory to lend");
+        assert!(lent.is_loaned());
+        for (i, b) in lent.iter_mut().enumerate() {
+            *b = payload_byte(n, i);
+        }
+        let sent = lent.freeze();
+        let at = sent.as_ptr();
+        seen.insert(at as usize);
+        tx.write(Msg::Value((n, 0, sent)), soon()).unwrap();
+        let got = match rx.read(soon()) {
+            Ok(Msg::Value(v)) => v,
+            other => panic!("message {n}: {:?}", other.map(|_| ())),
+        };
+        assert_eq!(got.2.as_ptr(), at, "message {n} was copied");
+        check_passed(&got, "a lent buffer");
+        // Every fifth is kept to the end; the others are dropped at once.
+        if n % 5 == 0 {
+            held.push(got);
+        }
+    }
+    for kept in &held {
+        check_passed(kept, "a kept lent buffer, at the end");
+    }
+    assert!(
+        seen.len() < 100,
+        "{} distinct blocks for 200 loans: memory given back is not lent again",
+        seen.len()
+    );
+    let bytes = counters.bytes.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        bytes < 200 * 256,
+        "{bytes} bytes written for 200 references"
+    );
+    drop(held);
+    assert_eq!(tx.pinned_blocks(), 0, "pins left");
+}

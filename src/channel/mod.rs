@@ -13,6 +13,7 @@
 //!   and contract).
 //!
 //! A writer with readers of several kinds writes through a [`FanOut`].
+use crate::buffer::BufferMut;
 use crate::error::TaskError;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -67,6 +68,12 @@ pub(crate) trait ChannelWriter<T> {
     /// Whether this end hands the value itself to its reader (and so needs a copy of its own),
     /// rather than encoding it.
     fn moves_values(&self) -> bool;
+
+    /// `len` bytes of this channel's memory for a buffer built in place, which this channel
+    /// then writes by reference; `None` where the kind has no such memory or none is free now.
+    fn loan(&mut self, _len: usize) -> Option<BufferMut> {
+        None
+    }
 }
 
 /// The reading end of a channel, whatever its kind.
@@ -127,6 +134,13 @@ impl<T> FanOut<T> {
         if let Some(c) = &self.counters {
             bump(&c.messages, 1);
         }
+    }
+}
+
+impl<T> FanOut<T> {
+    /// Memory of the first end that lends some (see [`ChannelWriter::loan`]).
+    pub(crate) fn loan(&mut self, len: usize) -> Option<BufferMut> {
+        self.encoding.iter_mut().find_map(|end| end.loan(len))
     }
 }
 

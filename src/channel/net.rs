@@ -498,8 +498,10 @@ impl<T: DeserializeOwned> ChannelReader<T> for NetRx<T> {
         };
         let keep = || frame.clone();
         let decoded = match tag {
-            TAG_VALUE => frame::decode::<T>(&frame, frame.len(), keep).map(Msg::Value),
-            _ => frame::decode::<TaskError>(&frame, frame.len(), keep)
+            TAG_VALUE => {
+                frame::decode::<T>(&frame, frame.len(), keep, &frame::Copied).map(Msg::Value)
+            }
+            _ => frame::decode::<TaskError>(&frame, frame.len(), keep, &frame::Copied)
                 .map(|e| Msg::Error(Arc::new(e))),
         };
         decoded.map_err(|e| {

@@ -1,6 +1,7 @@
 //! Input feeding: the parts of the input node (Ray's `inp[0]`, `inp.key`) and the code that
 //! writes each part's channel from the whole value given to `execute`.
 use super::DriverIo;
+use crate::buffer::BufferMut;
 use crate::channel::{ChanError, ChannelWriter, FanOut, Msg};
 use crate::compile::plan::GraphPlan;
 use crate::dag::{InputKind, InputNode, Node, NodeInner, NodeKind, TupleArg};
@@ -123,6 +124,8 @@ pub(crate) trait Feeder<I>: Send {
     fn part(&self) -> &str;
     /// The Rust type of that part.
     fn type_name(&self) -> &'static str;
+    /// `len` bytes lent by one of its channels (see [`FanOut::loan`]).
+    fn loan(&mut self, len: usize) -> Option<BufferMut>;
 }
 
 type Access<I, T> = Arc<dyn Fn(&I) -> T + Send + Sync>;
@@ -176,6 +179,9 @@ impl<I: Value, T: Value> Feeder<I> for PartFeeder<I, T> {
     fn part(&self) -> &str {
         &self.part
     }
+    fn loan(&mut self, len: usize) -> Option<BufferMut> {
+        self.writer.loan(len)
+    }
     fn type_name(&self) -> &'static str {
         std::any::type_name::<T>()
     }
@@ -190,6 +196,9 @@ impl<I: Value> Feeder<I> for WholeFeeder<I> {
     }
     fn part(&self) -> &str {
         "input"
+    }
+    fn loan(&mut self, len: usize) -> Option<BufferMut> {
+        self.0.loan(len)
     }
     fn type_name(&self) -> &'static str {
         std::any::type_name::<I>()

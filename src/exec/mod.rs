@@ -4,6 +4,7 @@ use crate::actor::HandleCore;
 use crate::actor::channels::{ChannelSizes, GraphChannels};
 use crate::actor::host::{ActorLink, Control, RunRequest};
 use crate::actor::worker::DeathSink;
+use crate::buffer::BufferMut;
 use crate::channel::{ChanError, FanOut, Reader};
 use crate::compile::plan::{GraphPlan, Loc};
 use crate::compile::{CompileOptions, Planned, deadline_after};
@@ -1240,6 +1241,61 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
     /// The options it was compiled with.
     pub fn options(&self) -> &CompileOptions {
         &self.shared.opts
+    }
+
+    /// `len` bytes to build a [`Buffer`](crate::Buffer) in place and send it as this graph's
+    /// input, or a part of it, without copying it: the memory is lent by the shared-memory
+    /// channel of the first input edge read by another process, and that channel writes the
+    /// frozen buffer by reference (its readers read it in place). Written to any other
+    /// channel, the buffer is copied like any other. Where no input channel crosses a process,
+    /// or none has memory free without waiting (values kept by readers pin it all), or the
+    /// graph was torn down, the bytes are on the heap ([`BufferMut::is_loaned`] says which).
+    ///
+    /// The bytes of lent memory are not cleared: they may hold an earlier message's, so fill
+    /// all of them. The memory goes back to the channel once the buffer and every value made
+    /// from it (the readers' included) are dropped. Waits for an `execute` of another thread
+    /// that is in progress. A tensor is built in lent memory the same way: fill the bytes,
+    /// then [`Tensor::from_bytes`](crate::Tensor::from_bytes) takes the frozen buffer's
+    /// [`into_bytes`](crate::Buffer::into_bytes) without a copy (lent memory is 64-byte
+    /// aligned).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use adag::{Buffer, CompileOptions, Dag, Placement, Runtime};
+    ///
+    /// struct Checksum;
+    ///
+    /// #[adag::actor]
+    /// impl Checksum {
+    ///     pub fn new() -> Self {
+    ///         Checksum
+    ///     }
+    ///     pub fn sum(&mut self, data: Buffer) -> u64 {
+    ///         data.iter().map(|&b| u64::from(b)).sum()
+    ///     }
+    /// }
+    ///
+    /// # fn main() -> adag::Result<()> {
+    /// let rt = Runtime::new()?;
+    /// let actor = rt.spawn::<Checksum>(Placement::Process, ())?;
+    /// let dag = Dag::<Buffer>::new();
+    /// let graph = dag.compile(actor.sum(dag.input()), CompileOptions::default())?;
+    /// let mut data = graph.input_buffer(1 << 20);
+    /// assert!(data.is_loaned());
+    /// data.fill(1); // built straight in the channel's shared memory
+    /// assert_eq!(graph.execute(data.freeze())?.get()?, 1 << 20);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn input_buffer(&self, len: usize) -> BufferMut {
+        if !self.shared.torn.load(Ordering::Acquire) {
+            let mut sub = self.shared.submit.lock();
+            if let Some(lent) = sub.feeders.iter_mut().find_map(|f| f.loan(len)) {
+                return lent;
+            }
+        }
+        BufferMut::zeroed(len)
     }
 
     /// Where the graph's executions and time went so far: executions in flight, results

@@ -16,6 +16,20 @@
 //! ...      attachments, each 64-byte aligned
 //! ```
 //!
+//! An attachment whose bytes already lie in memory that every reader of the channel maps (a
+//! buffer read in place from a channel of the same graph, passed on unchanged or sliced) is
+//! not copied: the frame carries a *reference* to it instead ([`Sharing`], chosen by the
+//! channel). Its table entry has [`REFERENCE`] set in its offset, which then points to a
+//! 64-byte record in the frame:
+//!
+//! ```text
+//! record   REF_MAGIC, then the channel's words: memory id, block, offset, length (u64 each)
+//! ```
+//!
+//! The channel that writes a reference takes one pin of the referenced memory for each of its
+//! readers ([`Sharing::commit`]) before it publishes the frame; each reader adopts one when it
+//! decodes the frame, and releases it when its value drops the bytes.
+//!
 //! Encoders and decoders find the attachments through a thread-local scope that the frame
 //! functions open around postcard, so serde impls need no extra arguments and a value encoded
 //! anywhere else (a one-off call, a user's own serializer) simply carries its bytes inline.
@@ -44,6 +58,45 @@ const MAX_COPY_THREADS: usize = 4;
 const HEADER: usize = 16;
 const TABLE_ENTRY: usize = 16;
 const ALIGN: usize = 64;
+
+/// Set in a table entry's offset: the entry is a reference, and the offset (without this bit)
+/// points to its record.
+const REFERENCE: u64 = 1 << 63;
+/// The first word of a reference record (a broken frame is unlikely to carry it by chance).
+const REF_MAGIC: u64 = u64::from_le_bytes(*b"adag-ref");
+/// Bytes of a reference record in the frame: the magic and four words, padded.
+const REF_RECORD: usize = 64;
+
+/// Where an attachment already lies in memory that a channel's readers map: four words that
+/// only the channel interprets (which memory, which block, where, how long).
+pub(crate) type Location = [u64; 4];
+
+/// How a channel takes part in encoding and decoding frames by reference. The default does not:
+/// every attachment is copied, and a frame holding a reference fails to decode.
+pub(crate) trait Sharing {
+    /// Where `bytes` lie, if every reader of the channel maps that memory and the bytes are
+    /// kept alive (pinned) by `bytes` itself. Called while encoding, maybe more than once per
+    /// attachment; must not change anything.
+    fn locate(&self, _bytes: &Bytes) -> Option<Location> {
+        None
+    }
+
+    /// Called once per reference of a frame that will be published, before the publish, while
+    /// `bytes` is still alive: takes one pin of the memory for each reader of the channel.
+    fn commit(&self, _bytes: &Bytes, _at: &Location) {}
+
+    /// A reader adopts one pin of the memory at `at` (taken by the writer's
+    /// [`commit`](Self::commit)) and returns its bytes, which release it when dropped.
+    fn adopt(&self, _at: &Location) -> Result<Bytes, String> {
+        Err("a reference to shared memory outside of a shared-memory channel".into())
+    }
+}
+
+/// No sharing: every attachment is copied, and a frame holding a reference does not decode
+/// (the network's frames: a reference names memory only the writer's host maps).
+pub(crate) struct Copied;
+
+impl Sharing for Copied {}
 
 thread_local! {
     /// While a frame is encoded on this thread: the attachments so far.
@@ -226,22 +279,44 @@ impl EncodeError {
     }
 }
 
-/// Where the table and each attachment of a frame go; returns the frame's total length.
-fn place(body: usize, attachments: &[Bytes], mut at: impl FnMut(usize, usize)) -> usize {
+/// Where the table and each attachment of a frame go (a reference takes its record's bytes);
+/// returns the frame's total length.
+fn place(
+    body: usize,
+    attachments: &[Bytes],
+    located: &[Option<Location>],
+    mut at: impl FnMut(usize, usize),
+) -> usize {
     let table = HEADER + body;
     let mut end = table + attachments.len() * TABLE_ENTRY;
     for (index, data) in attachments.iter().enumerate() {
         let offset = end.next_multiple_of(ALIGN);
         at(index, offset);
-        end = offset + data.len();
+        let len = match located[index] {
+            Some(_) => REF_RECORD,
+            None => data.len(),
+        };
+        end = offset + len;
     }
     end
 }
 
-/// Encodes `value` as a frame into `buf`; returns the frame's length.
+/// Encodes `value` as a frame into `buf`, copying every attachment; returns the frame's length.
+#[cfg(all(test, not(loom)))]
 pub(crate) fn encode<T: Serialize + ?Sized>(
     value: &T,
     buf: &mut [u8],
+) -> Result<usize, EncodeError> {
+    encode_in(value, buf, &Copied)
+}
+
+/// Encodes `value` as a frame into `buf` for a channel that shares memory as `sharing` says
+/// (attachments it locates travel by reference); returns the frame's length. On success the
+/// frame's references are committed: publish it.
+pub(crate) fn encode_in<T: Serialize + ?Sized>(
+    value: &T,
+    buf: &mut [u8],
+    sharing: &dyn Sharing,
 ) -> Result<usize, EncodeError> {
     // A reason left over from a failure reported elsewhere must not be taken for this one.
     let _ = super::take_serialize_failure();
@@ -258,24 +333,49 @@ pub(crate) fn encode<T: Serialize + ?Sized>(
         scope.reset();
         let body = postcard::experimental::serialized_size(value).map_err(EncodeError::failed)?;
         let attachments = scope.take();
-        return Err(EncodeError::TooSmall(place(body, &attachments, |_, _| ())));
+        let located: Vec<_> = attachments.iter().map(|b| sharing.locate(b)).collect();
+        return Err(EncodeError::TooSmall(place(
+            body,
+            &attachments,
+            &located,
+            |_, _| (),
+        )));
     };
     let attachments = scope.take();
     drop(scope);
-    let total = place(body, &attachments, |_, _| ());
+    let located: Vec<_> = attachments.iter().map(|b| sharing.locate(b)).collect();
+    let total = place(body, &attachments, &located, |_, _| ());
     if total > buf.len() {
         return Err(EncodeError::TooSmall(total));
     }
     buf[..8].copy_from_slice(&(body as u64).to_le_bytes());
     buf[8..HEADER].copy_from_slice(&(attachments.len() as u64).to_le_bytes());
     let table = HEADER + body;
-    place(body, &attachments, |index, offset| {
+    place(body, &attachments, &located, |index, offset| {
         let data = &attachments[index];
         let entry = table + index * TABLE_ENTRY;
-        buf[entry..entry + 8].copy_from_slice(&(offset as u64).to_le_bytes());
+        let tagged = match &located[index] {
+            Some(at) => {
+                let words = [REF_MAGIC, at[0], at[1], at[2], at[3]];
+                for (i, word) in words.iter().enumerate() {
+                    buf[offset + i * 8..offset + i * 8 + 8].copy_from_slice(&word.to_le_bytes());
+                }
+                offset as u64 | REFERENCE
+            }
+            None => {
+                copy(&mut buf[offset..offset + data.len()], data);
+                offset as u64
+            }
+        };
+        buf[entry..entry + 8].copy_from_slice(&tagged.to_le_bytes());
         buf[entry + 8..entry + TABLE_ENTRY].copy_from_slice(&(data.len() as u64).to_le_bytes());
-        copy(&mut buf[offset..offset + data.len()], data);
     });
+    // The frame is complete: take the readers' pins of what it refers to.
+    for (data, at) in attachments.iter().zip(&located) {
+        if let Some(at) = at {
+            sharing.commit(data, at);
+        }
+    }
     Ok(total)
 }
 
@@ -302,7 +402,11 @@ pub(crate) fn encode_gathered<T: Serialize + ?Sized>(value: &T) -> Result<Gather
     head[..8].copy_from_slice(&(body as u64).to_le_bytes());
     head[8..HEADER].copy_from_slice(&(attachments.len() as u64).to_le_bytes());
     let mut offsets = Vec::with_capacity(attachments.len());
-    let total = place(body, &attachments, |_, offset| offsets.push(offset));
+    // Nothing by reference over a stream: its readers map none of the writer's memory.
+    let copied = vec![None; attachments.len()];
+    let total = place(body, &attachments, &copied, |_, offset| {
+        offsets.push(offset)
+    });
     for (data, offset) in attachments.iter().zip(&offsets) {
         head.extend_from_slice(&(*offset as u64).to_le_bytes());
         head.extend_from_slice(&(data.len() as u64).to_le_bytes());
@@ -375,8 +479,17 @@ fn copy(dst: &mut [u8], src: &[u8]) {
 /// A frame's parts, checked against its length.
 struct Parts<'a> {
     body: &'a [u8],
-    /// (offset, length) of each attachment.
-    table: Vec<(usize, usize)>,
+    /// Each attachment: in the frame, or a reference to memory elsewhere.
+    table: Vec<Entry>,
+}
+
+/// One attachment of a frame.
+#[derive(Debug, Clone, Copy)]
+enum Entry {
+    /// (offset, length) of bytes in the frame.
+    Inline(usize, usize),
+    /// Bytes in memory the channel's readers map, and their length.
+    Reference(Location, usize),
 }
 
 fn word(data: &[u8], at: usize) -> Option<usize> {
@@ -400,12 +513,31 @@ fn parts(data: &[u8]) -> Result<Parts<'_>, String> {
         .map(|index| {
             let entry = table_at + index * TABLE_ENTRY;
             let (offset, len) = (word(data, entry), word(data, entry + 8));
+            let reference = offset.filter(|o| *o as u64 & REFERENCE != 0);
+            if let (Some(tagged), Some(len)) = (reference, len) {
+                let at = (tagged as u64 & !REFERENCE) as usize;
+                let record = (at >= table_at + table_len)
+                    .then(|| {
+                        (0..5)
+                            .map(|i| word(data, at + i * 8))
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .flatten()
+                    .filter(|words| words[0] as u64 == REF_MAGIC);
+                return match record {
+                    Some(w) => Ok(Entry::Reference(
+                        [w[1] as u64, w[2] as u64, w[3] as u64, w[4] as u64],
+                        len,
+                    )),
+                    None => Err(broken(&format!("reference {index} has no record"))),
+                };
+            }
             match (offset, len) {
                 (Some(offset), Some(len))
                     if offset >= table_at + table_len
                         && offset.checked_add(len).is_some_and(|end| end <= data.len()) =>
                 {
-                    Ok((offset, len))
+                    Ok(Entry::Inline(offset, len))
                 }
                 _ => Err(broken(&format!(
                     "attachment {index} lies outside the frame"
@@ -424,10 +556,14 @@ fn parts(data: &[u8]) -> Result<Parts<'_>, String> {
 /// of `data` as [`Bytes`] that stay valid after the channel's slot is released (a pin). Large
 /// attachments are handed to the value in place, keeping `keep`'s bytes for as long as the
 /// value keeps them; `keep` is called only when one is.
+///
+/// References are adopted through `sharing` (each takes over one pin, released when the value
+/// drops the bytes), every one of them even when the value turns out not to decode.
 pub(crate) fn decode<T: DeserializeOwned>(
     data: &[u8],
     capacity: usize,
     keep: impl FnOnce() -> Bytes,
+    sharing: &dyn Sharing,
 ) -> Result<T, String> {
     let Parts { body, table } = parts(data)?;
     if table.is_empty() {
@@ -435,14 +571,31 @@ pub(crate) fn decode<T: DeserializeOwned>(
         return postcard::from_bytes(body).map_err(|e| e.to_string());
     }
     let in_place = |len: usize| len >= OUT_OF_BAND_MIN && len * IN_PLACE_MIN_FILL >= capacity;
-    let pinned = table.iter().any(|(_, len)| in_place(*len)).then(keep);
-    let attachments = table
+    let pinned = table
         .iter()
-        .map(|&(offset, len)| match &pinned {
-            Some(whole) if in_place(len) => whole.slice(offset..offset + len),
-            _ => heap_copy(&data[offset..offset + len]),
+        .any(|entry| matches!(entry, Entry::Inline(_, len) if in_place(*len)))
+        .then(keep);
+    // Every reference is adopted before any error is returned: each holds a pin.
+    let attachments: Vec<Result<Bytes, String>> = table
+        .iter()
+        .map(|entry| match *entry {
+            Entry::Inline(offset, len) => Ok(match &pinned {
+                Some(whole) if in_place(len) => whole.slice(offset..offset + len),
+                _ => heap_copy(&data[offset..offset + len]),
+            }),
+            Entry::Reference(at, len) => sharing.adopt(&at).and_then(|bytes| {
+                if bytes.len() == len {
+                    Ok(bytes)
+                } else {
+                    Err(format!(
+                        "a reference of {len} bytes to {} bytes",
+                        bytes.len()
+                    ))
+                }
+            }),
         })
         .collect();
+    let attachments = attachments.into_iter().collect::<Result<_, _>>()?;
     decode_body(body, attachments)
 }
 
@@ -458,8 +611,11 @@ pub(crate) fn decode_slice<T: DeserializeOwned>(data: &[u8]) -> Result<T, String
     let Parts { body, table } = parts(data)?;
     let attachments = table
         .iter()
-        .map(|&(offset, len)| heap_copy(&data[offset..offset + len]))
-        .collect();
+        .map(|entry| match *entry {
+            Entry::Inline(offset, len) => Ok(heap_copy(&data[offset..offset + len])),
+            Entry::Reference(at, _) => Copied.adopt(&at),
+        })
+        .collect::<Result<_, _>>()?;
     decode_body(body, attachments)
 }
 
@@ -507,10 +663,17 @@ mod tests {
         // The large buffer and the tensor's 72,000 bytes; the small buffer is inline.
         assert_eq!(table.len(), 2, "{table:?}");
         assert!(body.len() < 200, "body of {} bytes", body.len());
-        assert_eq!(table[0].1, 100_000);
-        assert_eq!(table[1].1, 72_000);
-        assert!(table.iter().all(|(offset, _)| offset % ALIGN == 0));
-        assert_eq!(&frame[table[0].0..][..100_000], &value.large[..]);
+        let inline: Vec<(usize, usize)> = table
+            .iter()
+            .map(|entry| match *entry {
+                Entry::Inline(offset, len) => (offset, len),
+                Entry::Reference(..) => panic!("a reference without sharing"),
+            })
+            .collect();
+        assert_eq!(inline[0].1, 100_000);
+        assert_eq!(inline[1].1, 72_000);
+        assert!(inline.iter().all(|(offset, _)| offset % ALIGN == 0));
+        assert_eq!(&frame[inline[0].0..][..100_000], &value.large[..]);
         assert_eq!(decode_slice::<Mixed>(&frame).unwrap(), value);
     }
 

@@ -41,6 +41,22 @@
 //! Only when the address space reserved for the channel is used up by pinned blocks does the
 //! writer wait for readers to drop what they keep (up to its deadline, or the channel's close).
 //!
+//! # References: a payload written once
+//!
+//! A payload that already lies in a pinned block (one read in place, kept by a value) is not
+//! copied again when it is written to a channel whose readers map that block's memory: the
+//! channel's own memory (a buffer the driver got back, sent again), or any channel of the same
+//! graph when the channel's readers are all in the process that created the graph's channels
+//! (the driver, which maps every one of them: [`ShmGroup`]). The frame then carries a
+//! reference ([`frame`](crate::value::frame)), and the writer adds one pin of the block for
+//! each of its readers before it publishes; each reader adopts one pin when it decodes the
+//! frame. Every process finds the block of bytes it holds through a registry of the pinned
+//! ranges it maps ([`ShmPin`] registers its range while it lives). The pin count never drops
+//! to zero between the holder's pin and the readers' (the writer still holds its own while it
+//! adds theirs), so the block's writer cannot reuse the block meanwhile (see
+//! [`ring`](super::ring)'s pins).
+//!
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -53,9 +69,11 @@ pub(crate) use super::ring::RingError;
 use super::ring::{Cursor, RingControl, RingMemory, RingReader, RingWriter};
 use crate::channel::wait::DEFAULT_SPIN;
 use crate::sync::{Arc, AtomicU32, AtomicU64, Ordering};
+use crate::value::frame::{Location, Sharing};
+use bytes::Bytes;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"adag-shm");
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 /// Limits that keep the layout arithmetic far from overflow.
 const MAX_DEPTH: u32 = 1 << 16;
 const MAX_READERS: u32 = 1 << 12;
@@ -85,6 +103,12 @@ pub(crate) struct ShmConfig {
     pub max_message_bytes: usize,
     /// Spin budget of waits before sleeping on the futex.
     pub spin: Duration,
+    /// The graph's channels share this nonzero id when one process creates them all and keeps
+    /// them mapped while the graph lives (0: no group).
+    pub group: u64,
+    /// Every reader of this channel is in the process that created the group, so it maps every
+    /// channel of the group: a payload in any of them may be written by reference.
+    pub readers_map_group: bool,
 }
 
 impl Default for ShmConfig {
@@ -95,6 +119,8 @@ impl Default for ShmConfig {
             slot_bytes: 4096,
             max_message_bytes: 1 << 30,
             spin: DEFAULT_SPIN,
+            group: 0,
+            readers_map_group: false,
         }
     }
 }
@@ -115,6 +141,11 @@ struct ShmHeader {
     /// byte below it is backed and mapped).
     stride: AtomicU64,
     file_len: AtomicU64,
+    /// A random id of this channel's memory, which references name.
+    uid: AtomicU64,
+    /// [`ShmConfig::group`] and [`ShmConfig::readers_map_group`].
+    group: AtomicU64,
+    readers_map_group: AtomicU32,
 }
 
 /// The first bytes of every block.
@@ -257,6 +288,9 @@ struct ShmShared {
     readers: u32,
     max_message_bytes: usize,
     spin: Duration,
+    uid: u64,
+    group: u64,
+    readers_map_group: bool,
 }
 
 impl ShmShared {
@@ -357,7 +391,10 @@ impl ShmChannel {
         rustix::fs::ftruncate(&fd, file_len as u64).map_err(io::Error::from)?;
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::SEAL)
             .map_err(io::Error::from)?;
-        let shared = map(fd, layout, cfg)?;
+        let mut uid = [0u8; 8];
+        getrandom::fill(&mut uid).map_err(|e| io::Error::other(e.to_string()))?;
+        let uid = u64::from_le_bytes(uid);
+        let shared = map(fd, layout, cfg, uid)?;
         // Pre-fault the header and the first PREFAULT_PER_SLOT bytes of every slot: small
         // messages never fault, and compiling stays fast (faulting 10 x 1 MB per edge cost
         // ~10 ms per edge). The rest of a large slot faults once, on its first use.
@@ -386,6 +423,11 @@ impl ShmChannel {
             .stride
             .store(layout.initial_stride as u64, Ordering::Relaxed);
         header.file_len.store(file_len as u64, Ordering::Relaxed);
+        header.uid.store(shared.uid, Ordering::Relaxed);
+        header.group.store(cfg.group, Ordering::Relaxed);
+        header
+            .readers_map_group
+            .store(u32::from(cfg.readers_map_group), Ordering::Relaxed);
         shared.control().init(cfg.depth, cfg.readers);
         header.magic.store(MAGIC, Ordering::Release);
         Ok(Self { shared })
@@ -406,7 +448,7 @@ impl ShmChannel {
                 "the memfd holds {size} bytes, less than a header"
             )));
         }
-        let cfg = {
+        let (cfg, uid) = {
             let probe = MmapOptions::new()
                 .len(size_of::<ShmHeader>())
                 .map_raw_read_only(&fd)?;
@@ -423,13 +465,16 @@ impl ShmChannel {
                     "layout version {version}, expected {VERSION}"
                 )));
             }
-            ShmConfig {
+            let cfg = ShmConfig {
                 depth: header.depth.load(Ordering::Relaxed),
                 readers: header.readers.load(Ordering::Relaxed),
                 slot_bytes: header.slot_bytes.load(Ordering::Relaxed) as usize,
                 max_message_bytes: header.max_message_bytes.load(Ordering::Relaxed) as usize,
                 spin: Duration::from_nanos(header.spin_ns.load(Ordering::Relaxed)),
-            }
+                group: header.group.load(Ordering::Relaxed),
+                readers_map_group: header.readers_map_group.load(Ordering::Relaxed) != 0,
+            };
+            (cfg, header.uid.load(Ordering::Relaxed))
         };
         let layout =
             Layout::new(&cfg).map_err(|err| RingError::Corrupt(format!("bad config: {err}")))?;
@@ -440,7 +485,7 @@ impl ShmChannel {
             )));
         }
         Ok(Self {
-            shared: map(fd, layout, &cfg)?,
+            shared: map(fd, layout, &cfg, uid)?,
         })
     }
 
@@ -487,6 +532,7 @@ impl ShmChannel {
         ShmReader {
             ring,
             populated: self.shared.header().file_len.load(Ordering::Acquire),
+            group: ShmGroup::default(),
         }
     }
 
@@ -503,7 +549,12 @@ impl ShmChannel {
 }
 
 /// Maps the whole reservation of the channel on `fd`.
-fn map(fd: OwnedFd, layout: Layout, cfg: &ShmConfig) -> Result<Arc<ShmShared>, RingError> {
+fn map(
+    fd: OwnedFd,
+    layout: Layout,
+    cfg: &ShmConfig,
+    uid: u64,
+) -> Result<Arc<ShmShared>, RingError> {
     let map = MmapOptions::new()
         .len(layout.reserve)
         .no_reserve_swap()
@@ -516,6 +567,9 @@ fn map(fd: OwnedFd, layout: Layout, cfg: &ShmConfig) -> Result<Arc<ShmShared>, R
         readers: cfg.readers,
         max_message_bytes: cfg.max_message_bytes,
         spin: cfg.spin,
+        uid,
+        group: cfg.group,
+        readers_map_group: cfg.readers_map_group,
     }))
 }
 
@@ -670,9 +724,37 @@ impl Blocks {
 
     /// A new block of `stride` bytes at the end of the memfd, allocated and pre-faulted.
     fn carve(&mut self, shared: &ShmShared) -> Result<Block, RingError> {
+        self.carve_sized(shared, self.stride)
+    }
+
+    /// A block to lend for `len` payload bytes: a spare one, or a new one, without changing
+    /// the stride (a large loan must not make every slot's block large), and without waiting.
+    fn lend(&mut self, shared: &Arc<ShmShared>, len: usize) -> Result<Block, RingError> {
+        let size = (len + BLOCK_HEADER).next_multiple_of(rustix::param::page_size());
+        if size <= self.stride {
+            return self.take(shared, Some(Instant::now()));
+        }
+        self.collect_unpinned(shared);
+        if let Some(index) = self.free.iter().position(|b| b.size >= size) {
+            let mut block = self.free.swap_remove(index);
+            if !block.backed {
+                shared.populate(block.at, block.size, true)?;
+                block.backed = true;
+                shared.stamp_block(block.at, block.size, self.file_len);
+            }
+            return Ok(block);
+        }
+        if self.file_len + size > shared.layout.reserve {
+            return Err(RingError::Timeout);
+        }
+        self.carve_sized(shared, size)
+    }
+
+    /// A new block of `size` bytes at the end of the memfd, allocated and pre-faulted.
+    fn carve_sized(&mut self, shared: &ShmShared, size: usize) -> Result<Block, RingError> {
         let block = Block {
             at: self.file_len,
-            size: self.stride,
+            size,
             backed: true,
         };
         let file_len = block.at + block.size;
@@ -710,6 +792,37 @@ pub(crate) struct ShmWriter {
 }
 
 impl ShmWriter {
+    /// How frames written here refer to payloads already in shared memory (see [`Sharing`]).
+    pub fn sharing(&self) -> WriteSharing {
+        WriteSharing {
+            target: self.ring.memory().clone(),
+        }
+    }
+
+    /// A block of this channel's memory for `len` bytes built in place (a loan), pinned until
+    /// the returned memory and every value made from it are dropped: written to this channel,
+    /// its bytes travel by reference. Never waits: when every block is pinned and no room is
+    /// left it fails with [`RingError::Timeout`].
+    pub fn loan(&mut self, len: usize) -> Result<ShmLoan, RingError> {
+        let shared = self.ring.memory().clone();
+        if len > shared.max_message_bytes {
+            return Err(RingError::TooLarge {
+                size: len,
+                limit: shared.max_message_bytes,
+            });
+        }
+        let block = self.blocks.lend(&shared, len)?;
+        super::ring::pin(&shared.block(block.at, self.blocks.file_len).pins);
+        // Kept from now on: back among the free blocks once every pin is dropped.
+        self.blocks.kept.push(block);
+        Ok(ShmLoan(ShmPin::hold(
+            shared,
+            block.at,
+            block.payload(),
+            len,
+        )))
+    }
+
     /// Writes one message of kind `tag`. `encode` gets the slot's payload buffer (64-byte
     /// aligned) and returns `Ok(bytes written)`, or `Err(bytes needed)` when the message does
     /// not fit; the writer then grows the channel and calls it again. Waits for a free slot
@@ -777,6 +890,23 @@ impl ShmWriter {
     }
 }
 
+#[cfg(all(test, not(loom)))]
+impl ShmWriter {
+    /// How many of the blocks this writer knows of are pinned (tests: 0 once every value that
+    /// kept a payload was dropped).
+    pub fn pinned_blocks(&self) -> usize {
+        let shared = self.ring.memory();
+        let (blocks, file_len) = (&self.blocks, self.blocks.file_len);
+        blocks
+            .current
+            .iter()
+            .chain(&blocks.kept)
+            .chain(&blocks.free)
+            .filter(|b| super::ring::is_pinned(&shared.block(b.at, file_len).pins))
+            .count()
+    }
+}
+
 /// A reading end of a shared-memory channel. Dropping it closes the channel, so that the
 /// writer never waits for a reader that left.
 #[derive(Debug)]
@@ -784,9 +914,17 @@ pub(crate) struct ShmReader {
     ring: RingReader<Arc<ShmShared>>,
     /// Payload bytes below this offset are pre-faulted in this process.
     populated: u64,
+    /// The channels whose memory a reference in this channel may point into.
+    group: ShmGroup,
 }
 
 impl ShmReader {
+    /// Resolves references to the memory of the channels of `group` (this process maps them).
+    pub fn in_group(mut self, group: ShmGroup) -> Self {
+        self.group = group;
+        self
+    }
+
     /// Waits until `deadline` for the next message and returns it in place; its slot is
     /// released when the frame is dropped.
     pub fn read(&mut self, deadline: Option<Instant>) -> Result<ShmFrame<'_>, RingError> {
@@ -802,6 +940,7 @@ impl ShmReader {
             data,
             offset,
             reader: &mut self.ring,
+            group: &self.group,
             seq,
         })
     }
@@ -865,6 +1004,7 @@ pub(crate) struct ShmFrame<'a> {
     /// Where `data` starts in the mapping: right after its block's header.
     offset: usize,
     reader: &'a mut RingReader<Arc<ShmShared>>,
+    group: &'a ShmGroup,
     seq: u64,
 }
 
@@ -891,10 +1031,14 @@ impl ShmFrame<'_> {
         let end = self.offset + self.data.len();
         // Before the slot's release (in this frame's drop): see `ring::pin`.
         super::ring::pin(&shared.block(block, end).pins);
-        ShmPin {
-            shared,
-            block,
-            len: self.data.len(),
+        ShmPin::hold(shared, block, self.offset, self.data.len())
+    }
+
+    /// How this frame adopts the references it carries (see [`Sharing::adopt`]).
+    pub fn sharing(&self) -> ReadSharing<'_> {
+        ReadSharing {
+            own: self.reader.memory(),
+            group: self.group,
         }
     }
 }
@@ -915,26 +1059,89 @@ impl Drop for ShmFrame<'_> {
     }
 }
 
-/// The payload of a message kept readable in place after its slot was released: its block
-/// stays pinned, and the mapping alive, until this is dropped. `Send` and `AsRef<[u8]>`, so
-/// it can back a zero-copy `bytes::Bytes` (`Bytes::from_owner`).
+/// Payload bytes kept readable in place after their slot was released: their block stays
+/// pinned, and the mapping alive, until this is dropped. `Send` and `AsRef<[u8]>`, so it can
+/// back a zero-copy `bytes::Bytes` (`Bytes::from_owner`). While it lives its range is in this
+/// process's registry of pinned ranges, so that the bytes can be written by reference.
 #[derive(Debug)]
 pub(crate) struct ShmPin {
     shared: Arc<ShmShared>,
-    /// The block's offset; the payload follows its header.
+    /// The block's offset in the memfd.
     block: usize,
+    /// The bytes' offset in the memfd (after the block's header) and length.
+    offset: usize,
     len: usize,
+    /// Its key in the registry.
+    key: u64,
+}
+
+/// A pinned range of a mapping in this process.
+struct Region {
+    end: usize,
+    shared: Arc<ShmShared>,
+    block: usize,
+}
+
+/// The pinned ranges this process maps, by their start address (and a unique key: ranges
+/// may overlap, when one block is pinned twice).
+static PINNED: std::sync::Mutex<BTreeMap<(usize, u64), Region>> =
+    std::sync::Mutex::new(BTreeMap::new());
+static NEXT_KEY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Ranges looked at before a lookup gives up (overlapping pins of one address are few).
+const LOOKUP_SCAN: usize = 64;
+
+fn pinned() -> std::sync::MutexGuard<'static, BTreeMap<(usize, u64), Region>> {
+    // The map stays consistent whatever panicked while it was held (single inserts/removes).
+    PINNED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The pinned range that holds all of `bytes`: its mapping and block, and where `bytes` start
+/// in the memfd.
+fn pinned_range(bytes: &[u8]) -> Option<(Arc<ShmShared>, usize, usize)> {
+    let (ptr, len) = (bytes.as_ptr() as usize, bytes.len());
+    let map = pinned();
+    map.range(..=(ptr, u64::MAX))
+        .rev()
+        .take(LOOKUP_SCAN)
+        .find(|((start, _), region)| ptr >= *start && ptr + len <= region.end)
+        .map(|(_, region)| {
+            let base = region.shared.map.as_ptr() as usize;
+            (region.shared.clone(), region.block, ptr - base)
+        })
 }
 
 impl ShmPin {
+    /// Holds one pin, already taken, of the block at `block`, for the `len` bytes at `offset`
+    /// (checked against the mapping and the file by the caller), and registers the range.
+    fn hold(shared: Arc<ShmShared>, block: usize, offset: usize, len: usize) -> Self {
+        let key = NEXT_KEY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let start = shared.map.as_ptr() as usize + offset;
+        pinned().insert(
+            (start, key),
+            Region {
+                end: start + len,
+                shared: shared.clone(),
+                block,
+            },
+        );
+        ShmPin {
+            shared,
+            block,
+            offset,
+            len,
+            key,
+        }
+    }
+
     /// The payload, in shared memory.
     pub fn data(&self) -> &[u8] {
-        let offset = self.block + BLOCK_HEADER;
-        // SAFETY: `ShmReader::locate` checked the range against the mapping and the file (which
-        // never shrinks) when the frame was read; the writer writes this block again only
-        // once it is unpinned, which happens in `drop`. The pin holds an `Arc` of the mapping,
-        // and the slice borrows `self`.
-        unsafe { std::slice::from_raw_parts(self.shared.map.as_ptr().add(offset), self.len) }
+        // SAFETY: the range was checked against the mapping and the file (which never shrinks)
+        // when the pin was taken (`ShmReader::locate`, `adopt`); the writer writes this block
+        // again only once it is unpinned, which happens in `drop`. The pin holds an `Arc` of
+        // the mapping, and the slice borrows `self`.
+        unsafe { std::slice::from_raw_parts(self.shared.map.as_ptr().add(self.offset), self.len) }
     }
 }
 
@@ -946,8 +1153,134 @@ impl AsRef<[u8]> for ShmPin {
 
 impl Drop for ShmPin {
     fn drop(&mut self) {
-        let end = self.block + BLOCK_HEADER + self.len;
+        let start = self.shared.map.as_ptr() as usize + self.offset;
+        // Out of the registry first: nobody may write the range by reference once unpinned.
+        pinned().remove(&(start, self.key));
+        let end = self.offset + self.len;
         super::ring::unpin(&self.shared.block(self.block, end).pins);
+    }
+}
+
+/// A block of a channel's memory lent for a buffer built in place ([`ShmWriter::loan`]):
+/// writable through this handle alone until it is frozen into bytes.
+#[derive(Debug)]
+pub(crate) struct ShmLoan(ShmPin);
+
+impl crate::buffer::LoanedBytes for ShmLoan {
+    fn bytes(&self) -> &[u8] {
+        self.0.data()
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let pin = &self.0;
+        // SAFETY: the range lies inside the mapping and the file (the writer carved or reused
+        // the block below its file length). The block was unpinned and out of every slot when
+        // it was lent (nobody reads it), and it stays pinned by this loan, so the writer never
+        // hands it to a slot; no reference to it has been written yet (that needs the frozen
+        // bytes). So this handle is its only accessor, and the slice borrows it mutably.
+        unsafe {
+            std::slice::from_raw_parts_mut(pin.shared.map.as_mut_ptr().add(pin.offset), pin.len)
+        }
+    }
+
+    fn freeze(self: Box<Self>) -> Bytes {
+        Bytes::from_owner(self.0)
+    }
+}
+
+/// The shared-memory channels of one graph mapped by the process that created them (the
+/// driver), by memory id: where its readers find what a reference points to.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ShmGroup(std::sync::Arc<HashMap<u64, Arc<ShmShared>>>);
+
+impl ShmGroup {
+    /// The group of `channels`.
+    pub fn new<'a>(channels: impl IntoIterator<Item = &'a ShmChannel>) -> Self {
+        ShmGroup(std::sync::Arc::new(
+            channels
+                .into_iter()
+                .map(|ch| (ch.shared.uid, ch.shared.clone()))
+                .collect(),
+        ))
+    }
+}
+
+/// How a writer refers to payloads already in shared memory (see [`Sharing`]).
+pub(crate) struct WriteSharing {
+    target: Arc<ShmShared>,
+}
+
+impl WriteSharing {
+    /// Whether every reader of the target channel maps `memory`.
+    fn readers_map(&self, memory: &ShmShared) -> bool {
+        let target = &self.target;
+        memory.uid == target.uid
+            || (target.readers_map_group && target.group != 0 && memory.group == target.group)
+    }
+}
+
+impl Sharing for WriteSharing {
+    fn locate(&self, bytes: &Bytes) -> Option<Location> {
+        let (memory, block, offset) = pinned_range(bytes)?;
+        self.readers_map(&memory).then_some([
+            memory.uid,
+            block as u64,
+            offset as u64,
+            bytes.len() as u64,
+        ])
+    }
+
+    fn commit(&self, bytes: &Bytes, at: &Location) {
+        // `bytes` is still alive, so its range is still registered and its block pinned: the
+        // count cannot reach zero before the readers' pins are added.
+        let Some((memory, block, _)) = pinned_range(bytes) else {
+            unreachable!("a located payload left the registry while it was written");
+        };
+        debug_assert_eq!((memory.uid, block as u64), (at[0], at[1]));
+        let end = block + BLOCK_HEADER;
+        // Relaxed: the publish that follows (a release store) orders it before any reader's
+        // adoption, and the holder's own unpin (a release decrement) comes after it.
+        memory
+            .block(block, end)
+            .pins
+            .fetch_add(self.target.readers, Ordering::Relaxed);
+    }
+}
+
+/// How a reader adopts the references of a frame (see [`Sharing`]).
+pub(crate) struct ReadSharing<'a> {
+    own: &'a Arc<ShmShared>,
+    group: &'a ShmGroup,
+}
+
+impl Sharing for ReadSharing<'_> {
+    fn adopt(&self, at: &Location) -> Result<Bytes, String> {
+        let [uid, block, offset, len] = *at;
+        let memory = if uid == self.own.uid {
+            self.own
+        } else {
+            self.group.0.get(&uid).ok_or_else(|| {
+                format!("a reference to the memory of channel {uid:#x}, which is not mapped here")
+            })?
+        };
+        let file_len = memory.header().file_len.load(Ordering::Acquire);
+        let fits = block >= memory.layout.payload_start as u64
+            && block % BLOCK_HEADER as u64 == 0
+            && offset >= block + BLOCK_HEADER as u64
+            && offset
+                .checked_add(len)
+                .is_some_and(|end| end <= file_len && end <= memory.map.len() as u64);
+        if !fits {
+            return Err(format!(
+                "a reference to {len} bytes at {offset} (block {block}) outside the {file_len}-byte memfd"
+            ));
+        }
+        Ok(Bytes::from_owner(ShmPin::hold(
+            memory.clone(),
+            block as usize,
+            offset as usize,
+            len as usize,
+        )))
     }
 }
 
@@ -973,6 +1306,7 @@ mod tests {
             slot_bytes,
             max_message_bytes,
             spin: DEFAULT_SPIN,
+            ..ShmConfig::default()
         }
     }
 

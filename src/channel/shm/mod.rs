@@ -3,6 +3,7 @@
 //! straight into a slot (a [frame](crate::value::frame), large byte strings out of band); a
 //! reader decodes it in place and keeps large payloads there (pinned) without copying them.
 use super::{ChanError, ChannelReader, ChannelWriter, EndCounters, Msg, bump};
+use crate::buffer::BufferMut;
 use crate::error::TaskError;
 use crate::value::frame;
 use bytes::Bytes;
@@ -15,7 +16,9 @@ use std::time::Instant;
 pub(crate) mod memory;
 pub(crate) mod ring;
 
-pub(crate) use memory::{RingError, ShmChannel, ShmConfig, ShmReader, ShmWriter};
+pub(crate) use memory::{
+    RingError, ShmChannel, ShmConfig, ShmGroup, ShmReader, ShmWriter, WriteSharing,
+};
 
 impl From<RingError> for ChanError {
     fn from(e: RingError) -> Self {
@@ -33,11 +36,12 @@ pub(crate) const TAG_VALUE: u8 = 0;
 /// The tag of a slot that holds a [`TaskError`].
 pub(crate) const TAG_ERROR: u8 = 1;
 
-/// Encode `value` as a frame straight into a slot of `shm` (large byte strings out of band),
-/// growing the channel when the slot is too small, and telling that apart from a value that
-/// cannot be encoded at all.
+/// Encode `value` as a frame straight into a slot of `shm` (large byte strings out of band,
+/// by reference where `sharing` locates them), growing the channel when the slot is too small,
+/// and telling that apart from a value that cannot be encoded at all.
 pub(crate) fn write_encoded<T: Serialize + ?Sized>(
     shm: &mut ShmWriter,
+    sharing: &WriteSharing,
     tag: u8,
     value: &T,
     deadline: Option<Instant>,
@@ -49,7 +53,7 @@ pub(crate) fn write_encoded<T: Serialize + ?Sized>(
     let mut bytes = 0u64;
     let written = shm.write(
         tag,
-        &mut |buf: &mut [u8]| match frame::encode(value, buf) {
+        &mut |buf: &mut [u8]| match frame::encode_in(value, buf, sharing) {
             Ok(len) => {
                 bytes = len as u64;
                 Ok(len)
@@ -83,6 +87,7 @@ pub(crate) fn write_encoded<T: Serialize + ?Sized>(
 /// The writer's end of a shared-memory channel, for values of type `T`.
 pub(crate) struct ShmTx<T> {
     shm: ShmWriter,
+    sharing: WriteSharing,
     /// Bytes written and growths, shared with whoever reads the graph's statistics.
     counters: Option<Arc<EndCounters>>,
     _t: PhantomData<fn(T)>,
@@ -91,6 +96,7 @@ pub(crate) struct ShmTx<T> {
 impl<T> ShmTx<T> {
     pub(crate) fn new(shm: ShmWriter) -> Self {
         ShmTx {
+            sharing: shm.sharing(),
             shm,
             counters: None,
             _t: PhantomData,
@@ -104,12 +110,21 @@ impl<T> ShmTx<T> {
     }
 }
 
+#[cfg(all(test, not(loom)))]
+impl<T> ShmTx<T> {
+    /// See [`ShmWriter::pinned_blocks`].
+    pub(crate) fn pinned_blocks(&self) -> usize {
+        self.shm.pinned_blocks()
+    }
+}
+
 impl<T: Serialize> ChannelWriter<T> for ShmTx<T> {
     fn write(&mut self, msg: Msg<T>, deadline: Option<Instant>) -> Result<(), ChanError> {
         // Encoded straight into the slot: no allocation per message.
         match &msg {
             Msg::Value(v) => write_encoded(
                 &mut self.shm,
+                &self.sharing,
                 TAG_VALUE,
                 v,
                 deadline,
@@ -117,6 +132,7 @@ impl<T: Serialize> ChannelWriter<T> for ShmTx<T> {
             ),
             Msg::Error(e) => write_encoded(
                 &mut self.shm,
+                &self.sharing,
                 TAG_ERROR,
                 &**e,
                 deadline,
@@ -128,6 +144,7 @@ impl<T: Serialize> ChannelWriter<T> for ShmTx<T> {
     fn write_ref(&mut self, value: &T, deadline: Option<Instant>) -> Result<(), ChanError> {
         write_encoded(
             &mut self.shm,
+            &self.sharing,
             TAG_VALUE,
             value,
             deadline,
@@ -137,6 +154,16 @@ impl<T: Serialize> ChannelWriter<T> for ShmTx<T> {
 
     fn moves_values(&self) -> bool {
         false
+    }
+
+    fn loan(&mut self, len: usize) -> Option<BufferMut> {
+        match self.shm.loan(len) {
+            Ok(memory) => Some(BufferMut::loaned(Box::new(memory))),
+            Err(err) => {
+                tracing::debug!(%err, len, "no shared memory to lend; a heap buffer instead");
+                None
+            }
+        }
     }
 }
 
@@ -160,9 +187,11 @@ impl<T: DeserializeOwned> ChannelReader<T> for ShmRx<T> {
         let slot = self.shm.read(deadline)?;
         let (data, capacity) = (slot.data(), slot.block_capacity());
         let keep = || Bytes::from_owner(slot.pin());
+        let sharing = slot.sharing();
         let decoded = match slot.tag {
-            TAG_VALUE => frame::decode::<T>(data, capacity, keep).map(Msg::Value),
-            _ => frame::decode::<TaskError>(data, capacity, keep).map(|e| Msg::Error(Arc::new(e))),
+            TAG_VALUE => frame::decode::<T>(data, capacity, keep, &sharing).map(Msg::Value),
+            _ => frame::decode::<TaskError>(data, capacity, keep, &sharing)
+                .map(|e| Msg::Error(Arc::new(e))),
         };
         decoded.map_err(|e| {
             ChanError::Codec(format!(
