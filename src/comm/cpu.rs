@@ -25,7 +25,7 @@
 //!   them after the first barrier, so all ranks reach the same verdict and a mismatch is an
 //!   error on every rank while the group stays usable.
 //! - **Point to point**: the mailbox `src -> dst` is a single-producer single-consumer ring of
-//!   two entries with `head` (entries written) and `tail` (entries consumed). A message is
+//!   `DEPTH` (8) entries with `head` (entries written) and `tail` (entries consumed). A message is
 //!   one or more chunk entries, each carrying the message's sequence number, dtype, shape,
 //!   total size and offset; a receiver that finds another shape or dtype than it asked for
 //!   consumes the whole message and returns [`CommError::Mismatch`], keeping later messages in
@@ -100,8 +100,13 @@ const VERSION: u32 = 1;
 /// Cache-line padding of words written by different ranks (128: adjacent-line prefetch).
 const LINE: usize = 128;
 const PAGE: usize = 4096;
-/// Mailbox ring depth (entries).
-const DEPTH: u32 = 2;
+/// Mailbox ring depth (entries): how many messages one rank may send another before the
+/// other receives. The scheduler treats this group's sends as buffered (they complete
+/// before the matching receive), which holds while fewer than this many are queued per pair;
+/// 8 covers the schedules the random-graph test generates (2 did not: a third queued send
+/// blocked its rank's communication thread ahead of a collective). Pages of the region are
+/// touched only as they are used.
+const DEPTH: u32 = 8;
 const LABEL_MAX: usize = 96;
 /// Longest futex sleep before rechecking state and deadline.
 const SLEEP_SLICE: Duration = Duration::from_millis(100);
@@ -1459,9 +1464,9 @@ impl Communicator for CpuCommunicator {
         self.rank
     }
 
-    /// Buffered: a send returns once its chunks are in the pair's mailbox (two entries of
-    /// `chunk_bytes`), before the peer receives. A larger tensor, or a third message queued
-    /// to the same peer, waits for the receiver to drain the mailbox.
+    /// Buffered: a send returns once its chunks are in the pair's mailbox (`DEPTH` (8) entries
+    /// of `chunk_bytes`), before the peer receives. A larger tensor, or more messages queued
+    /// to the same peer, wait for the receiver to drain the mailbox.
     fn send_completion(&self) -> SendCompletion {
         SendCompletion::Buffered
     }
