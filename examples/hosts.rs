@@ -71,18 +71,33 @@ fn main() -> anyhow::Result<()> {
         "chain over 3 hosts (4 TCP hops): {sync:?} per execution one at a time, {rate:.0} executions/s with 16 in flight"
     );
 
-    // A host is lost: the graph fails, naming it; the other hosts stay.
-    hosts.kill(1)?;
+    // A worker on another host dies: its agent reports it, the graph fails with ActorDied.
+    stages[1].kill()?;
     let killed = Instant::now();
-    match graph
-        .execute(0)
-        .and_then(|r| r.get_timeout(Duration::from_secs(30)))
-    {
+    match graph.execute(0).and_then(|r| r.get_timeout(Duration::from_secs(30))) {
         Err(e) => println!(
-            "killed local-1; {:?} later the graph says: {e}",
+            "killed {}'s worker; {:?} later the graph says: {e}",
+            joined[1].name,
             killed.elapsed()
         ),
-        Ok(v) => anyhow::bail!("the graph still answered {v} without host local-1"),
+        Ok(v) => anyhow::bail!("the graph still answered {v} without its middle stage"),
+    }
+
+    // A whole host is lost: a new graph over the survivors and a new stage fails, naming it.
+    let middle = rt.spawn::<Stage>(Placement::Host(joined[1].id), 10)?;
+    let dag = Dag::<u64>::new();
+    let out = stages[2].step(middle.step(stages[0].step(dag.input())));
+    let graph = dag.compile(out, CompileOptions::default())?;
+    assert_eq!(graph.execute(1)?.get()?, 112);
+    hosts.kill(2)?;
+    let killed = Instant::now();
+    match graph.execute(0).and_then(|r| r.get_timeout(Duration::from_secs(30))) {
+        Err(e) => println!(
+            "killed host {}; {:?} later the graph says: {e}",
+            joined[2].name,
+            killed.elapsed()
+        ),
+        Ok(v) => anyhow::bail!("the graph still answered {v} without host {}", joined[2].name),
     }
     println!("hosts still joined: {}", rt.hosts().len());
     Ok(())
