@@ -74,7 +74,10 @@ fn main() -> anyhow::Result<()> {
     // A worker on another host dies: its agent reports it, the graph fails with ActorDied.
     stages[1].kill()?;
     let killed = Instant::now();
-    match graph.execute(0).and_then(|r| r.get_timeout(Duration::from_secs(30))) {
+    match graph
+        .execute(0)
+        .and_then(|r| r.get_timeout(Duration::from_secs(30)))
+    {
         Err(e) => println!(
             "killed {}'s worker; {:?} later the graph says: {e}",
             joined[1].name,
@@ -91,13 +94,19 @@ fn main() -> anyhow::Result<()> {
     assert_eq!(graph.execute(1)?.get()?, 112);
     hosts.kill(2)?;
     let killed = Instant::now();
-    match graph.execute(0).and_then(|r| r.get_timeout(Duration::from_secs(30))) {
+    match graph
+        .execute(0)
+        .and_then(|r| r.get_timeout(Duration::from_secs(30)))
+    {
         Err(e) => println!(
             "killed host {}; {:?} later the graph says: {e}",
             joined[2].name,
             killed.elapsed()
         ),
-        Ok(v) => anyhow::bail!("the graph still answered {v} without host {}", joined[2].name),
+        Ok(v) => anyhow::bail!(
+            "the graph still answered {v} without host {}",
+            joined[2].name
+        ),
     }
     println!("hosts still joined: {}", rt.hosts().len());
     Ok(())
