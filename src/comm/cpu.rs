@@ -106,7 +106,7 @@ const PAGE: usize = 4096;
 /// 8 covers the schedules the random-graph test generates (2 did not: a third queued send
 /// blocked its rank's communication thread ahead of a collective). Pages of the region are
 /// touched only as they are used.
-const DEPTH: u32 = 8;
+pub(crate) const DEPTH: u32 = 8;
 const LABEL_MAX: usize = 96;
 /// Longest futex sleep before rechecking state and deadline.
 const SLEEP_SLICE: Duration = Duration::from_millis(100);

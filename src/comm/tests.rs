@@ -563,9 +563,11 @@ fn send_to_a_full_mailbox_times_out_and_the_group_stays_usable() {
         let g =
             CpuGroup::with_options(2, "sto", &options(128, Duration::from_millis(200))).unwrap();
         let (a, b) = (g.communicator(0).unwrap(), g.communicator(1).unwrap());
-        a.send(&Tensor::scalar(1u8), 1).unwrap();
-        a.send(&Tensor::scalar(2u8), 1).unwrap();
-        let e = a.send(&Tensor::scalar(3u8), 1).unwrap_err();
+        let depth = super::cpu::DEPTH as u8;
+        for k in 1..=depth {
+            a.send(&Tensor::scalar(k), 1).unwrap();
+        }
+        let e = a.send(&Tensor::scalar(depth + 1), 1).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -577,22 +579,23 @@ fn send_to_a_full_mailbox_times_out_and_the_group_stays_usable() {
             "{e}"
         );
         assert!(!g.is_destroyed());
+        for k in 1..=depth {
+            assert_eq!(
+                b.recv(&[], DType::U8, 0).unwrap().to_vec::<u8>().unwrap(),
+                [k]
+            );
+        }
+        a.send(&Tensor::scalar(200u8), 1).unwrap();
         assert_eq!(
             b.recv(&[], DType::U8, 0).unwrap().to_vec::<u8>().unwrap(),
-            [1]
-        );
-        assert_eq!(
-            b.recv(&[], DType::U8, 0).unwrap().to_vec::<u8>().unwrap(),
-            [2]
-        );
-        a.send(&Tensor::scalar(4u8), 1).unwrap();
-        assert_eq!(
-            b.recv(&[], DType::U8, 0).unwrap().to_vec::<u8>().unwrap(),
-            [4]
+            [200]
         );
         // A timeout in the middle of a chunked message aborts the group.
         a.set_timeout(Duration::from_millis(100));
-        let e = a.send(&Tensor::from(vec![0u8; 128 * 5]), 1).unwrap_err();
+        let chunks = super::cpu::DEPTH as usize + 3;
+        let e = a
+            .send(&Tensor::from(vec![0u8; 128 * chunks]), 1)
+            .unwrap_err();
         assert!(matches!(e, CommError::Timeout { .. }), "{e}");
         assert!(g.is_destroyed());
         let e = b.recv(&[1], DType::U8, 0).unwrap_err();
