@@ -208,10 +208,7 @@ impl GraphChannels {
                     .shm(edge.id, chan.id)
                     .map_err(|e| Error::compile(edge.label.clone(), e))?;
                 let writer = ring.writer();
-                let closer = stream
-                    .try_clone()
-                    .map_err(|e| Error::io("keeping a network connection", e))?;
-                self.net_all.lock().push(closer);
+                self.shut_at_close(&stream)?;
                 let (limit, label) = (self.max_message_bytes, edge.label.clone());
                 std::thread::Builder::new()
                     .name(format!("adag-relay-{}", chan.id))
@@ -231,11 +228,17 @@ impl GraphChannels {
     /// Files a network connection for the end that will open it.
     fn keep(&self, chan: u64, stream: TcpStream) -> Result<()> {
         net::prepare(&stream).map_err(|e| Error::io("setting up a network connection", e))?;
+        self.shut_at_close(&stream)?;
+        self.net.lock().insert(chan, stream);
+        Ok(())
+    }
+
+    /// Keeps a handle of `stream` that [`close_all`](Self::close_all) shuts down.
+    fn shut_at_close(&self, stream: &TcpStream) -> Result<()> {
         let closer = stream
             .try_clone()
             .map_err(|e| Error::io("keeping a network connection", e))?;
         self.net_all.lock().push(closer);
-        self.net.lock().insert(chan, stream);
         Ok(())
     }
 

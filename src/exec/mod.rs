@@ -350,14 +350,13 @@ fn start<I: Value>(
         done.push((actor.name().to_string(), done_rx));
         installing.push((actor.clone(), installed_rx));
     }
-    let fail = |e: Error| fail_early(e);
     let install_deadline = Instant::now() + Duration::from_secs(30);
     for (actor, rx) in &installing {
         let name = actor.name();
         match rx.recv_deadline(install_deadline) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
-                return Err(fail(Error::compile(
+                return Err(fail_early(Error::compile(
                     name,
                     format!("installing the schedule failed: {e}"),
                 )));
@@ -370,12 +369,12 @@ fn start<I: Value>(
                     ActorLink::Remote(link) => link.died(),
                     ActorLink::Thread(_) => None,
                 };
-                return Err(fail(died.unwrap_or_else(|| {
+                return Err(fail_early(died.unwrap_or_else(|| {
                     Error::compile(name, "the actor stopped before it installed its schedule")
                 })));
             }
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                return Err(fail(Error::compile(
+                return Err(fail_early(Error::compile(
                     name,
                     "the actor did not install its schedule within 30 s",
                 )));
@@ -384,7 +383,7 @@ fn start<I: Value>(
     }
     let mut feeders = Vec::new();
     for edge in &plan.inputs {
-        feeders.push(input::feeder::<I>(&nodes[edge], &io, &plan, *edge).map_err(&fail)?);
+        feeders.push(input::feeder::<I>(&nodes[edge], &io, &plan, *edge).map_err(&fail_early)?);
     }
     let mut edges: Vec<OutputEdge> = Vec::new();
     let mut seen: HashMap<u64, usize> = HashMap::new();
@@ -395,7 +394,7 @@ fn start<I: Value>(
         } else {
             seen.insert(edge, edges.len());
             edges.push(OutputEdge {
-                reader: (spec.make)(&io, &plan, edge).map_err(&fail)?,
+                reader: (spec.make)(&io, &plan, edge).map_err(&fail_early)?,
                 outputs: vec![i],
                 next: 0,
             });
