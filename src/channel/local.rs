@@ -2,14 +2,18 @@
 //! itself, through an in-memory queue per reader, without serialization (moved to the last
 //! reader, cloned for the others by the writer's [`FanOut`](super::FanOut)).
 //!
-//! Queues are crossbeam's bounded queues, polled without blocking; their ends wait with the
-//! same adaptive spin → yield → futex wait as the shared-memory ring ([`WaitCell`]), so that a
-//! chain of thread actors hands values on as fast as a chain of processes, and a close wakes
-//! every sleeper at once.
+//! Queues are `rtrb`'s single-producer single-consumer rings (one writer, one reader per
+//! queue), polled without blocking: each end keeps its own copy of the other's index, so a
+//! message costs the reader one cache line from the writer's core (crossbeam's bounded queue,
+//! made for many producers and consumers, moved a slot's line both ways and took a locked
+//! instruction per end: a thread ping-pong here took 0.68 µs through it, 0.42 µs through
+//! `rtrb`). Their ends wait with the same adaptive spin → yield → futex wait as the
+//! shared-memory ring ([`WaitCell`]), so that a chain of thread actors hands values on as fast
+//! as a chain of processes, and a close wakes every sleeper at once.
 use super::wait::{DEFAULT_SPIN, SpinPolicy, WaitCell};
 use super::{ChanError, ChannelReader, ChannelWriter, Msg};
-use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError};
 use parking_lot::Mutex;
+use rtrb::{Consumer, Producer, PushError, RingBuffer};
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,7 +38,7 @@ impl LocalWaits {
 
 /// The writing end of one in-memory channel.
 pub(crate) struct LocalTx<T> {
-    tx: Sender<Msg<T>>,
+    tx: Producer<Msg<T>>,
     waits: Arc<LocalWaits>,
     policy: SpinPolicy,
     closed: Arc<AtomicBool>,
@@ -49,7 +53,7 @@ impl<T> Drop for LocalTx<T> {
 
 /// The reading end of one in-memory channel.
 pub(crate) struct LocalRx<T> {
-    rx: Receiver<Msg<T>>,
+    rx: Consumer<Msg<T>>,
     waits: Arc<LocalWaits>,
     policy: SpinPolicy,
     closed: Arc<AtomicBool>,
@@ -74,14 +78,16 @@ impl<T: Send> ChannelWriter<T> for LocalTx<T> {
             if closed.load(Ordering::Acquire) {
                 return Some(Err(ChanError::Closed));
             }
+            if tx.is_abandoned() {
+                return Some(Err(ChanError::Closed));
+            }
             let msg = pending.take()?;
-            match tx.try_send(msg) {
+            match tx.push(msg) {
                 Ok(()) => Some(Ok(())),
-                Err(TrySendError::Full(msg)) => {
+                Err(PushError::Full(msg)) => {
                     pending = Some(msg);
                     None
                 }
-                Err(TrySendError::Disconnected(_)) => Some(Err(ChanError::Closed)),
             }
         });
         match sent {
@@ -108,12 +114,15 @@ impl<T: Send> ChannelReader<T> for LocalRx<T> {
             closed,
         } = self;
         // What was sent before a close is still delivered; then the close.
-        let got = waits.data.wait(policy, deadline, || match rx.try_recv() {
-            Ok(msg) => Some(Ok(msg)),
-            Err(TryRecvError::Empty) => closed
-                .load(Ordering::Acquire)
-                .then_some(Err(ChanError::Closed)),
-            Err(TryRecvError::Disconnected) => Some(Err(ChanError::Closed)),
+        let got = waits.data.wait(policy, deadline, || {
+            if let Ok(msg) = rx.pop() {
+                return Some(Ok(msg));
+            }
+            if !closed.load(Ordering::Acquire) && !rx.is_abandoned() {
+                return None;
+            }
+            // The writer may have written its last message just before it left.
+            Some(rx.pop().map_err(|_| ChanError::Closed))
         });
         match got {
             Some(Ok(msg)) => {
@@ -147,8 +156,8 @@ impl Default for LocalHub {
 type LocalEnd<E> = (E, Arc<LocalWaits>);
 
 struct LocalChan<T> {
-    senders: Option<Vec<LocalEnd<Sender<Msg<T>>>>>,
-    receivers: Vec<Option<LocalEnd<Receiver<Msg<T>>>>>,
+    senders: Option<Vec<LocalEnd<Producer<Msg<T>>>>>,
+    receivers: Vec<Option<LocalEnd<Consumer<Msg<T>>>>>,
 }
 
 impl LocalHub {
@@ -173,7 +182,7 @@ impl LocalHub {
         let entry = chans.entry(chan).or_insert_with(|| {
             let (senders, receivers) = (0..readers)
                 .map(|_| {
-                    let (s, r) = crossbeam_channel::bounded::<Msg<T>>(depth);
+                    let (s, r) = RingBuffer::<Msg<T>>::new(depth);
                     let waits = Arc::new(LocalWaits::default());
                     self.waits.lock().push(waits.clone());
                     ((s, waits.clone()), Some((r, waits)))
