@@ -723,6 +723,12 @@ impl<I: Value> GraphShared<I> {
             .saturating_sub(drained)
     }
 
+    /// Whether an execution would fit in flight now. An `execute` refused a moment ago may
+    /// find room: the pump can have discarded every dropped execution in between.
+    fn has_room(&self) -> bool {
+        self.in_flight() < self.opts.max_inflight_executions as u64
+    }
+
     /// Async mode: whether the pump frees a place by itself (without anybody claiming a
     /// result): the oldest execution in flight is a failed one's leftovers, or one whose refs
     /// were all dropped.
@@ -1201,7 +1207,7 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
                 Err(Error::CapacityExceeded {
                     capacity: Capacity::InflightExecutions,
                     ..
-                }) if self.shared.pump_frees_room()
+                }) if (self.shared.has_room() || self.shared.pump_frees_room())
                     && deadline.is_none_or(|d| Instant::now() < d) =>
                 {
                     RoomWait {
@@ -1350,8 +1356,7 @@ impl<I: Value> std::future::Future for RoomWait<'_, I> {
     type Output = ();
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let s = self.shared;
-        let limit = s.opts.max_inflight_executions as u64;
-        let free = || s.in_flight() < limit || s.torn.load(Ordering::Acquire);
+        let free = || s.has_room() || s.torn.load(Ordering::Acquire);
         if free() || self.deadline.is_some_and(|d| Instant::now() >= d) || !s.pump_frees_room() {
             return Poll::Ready(());
         }
