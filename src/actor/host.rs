@@ -6,11 +6,12 @@ use super::method::{CallFailure, Op, TaskBuilder, find};
 use super::observe::{BUSY_SAMPLE, Recorder, bump, mono_ns};
 use super::worker::ProcessLink;
 use super::{Actor, MethodEntry};
+use crate::channel::wait::{DEFAULT_SPIN, SpinPolicy};
 use crate::channel::{ChanError, Msg, Reader};
 use crate::compile::plan::{GraphPlan, Loc, OpSpec, Stage};
 use crate::error::{Error, Result};
 use crate::value::Value;
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::any::Any;
 use std::cell::{Cell, OnceCell};
 use std::collections::HashMap;
@@ -247,7 +248,12 @@ impl ActorLink {
                         claim: claim.clone(),
                     })
                     .map_err(|_| gone())?;
-                let reply = match rx.recv_timeout(BUSY_AFTER) {
+                let reply = match recv_spinning(&rx, &mut SpinPolicy::new(DEFAULT_SPIN)) {
+                    Ok(Some(r)) => Ok(r),
+                    Ok(None) => rx.recv_timeout(BUSY_AFTER),
+                    Err(()) => Err(RecvTimeoutError::Disconnected),
+                };
+                let reply = match reply {
                     Ok(r) => r,
                     Err(RecvTimeoutError::Timeout) if claim.cancel() => Err(CallFailure::Busy),
                     // Taken just now: it runs; wait for it.
@@ -285,6 +291,24 @@ impl ActorLink {
             ActorLink::Remote(link) => Some(link.pid()),
         }
     }
+}
+
+/// Polls `rx` while `policy` spins (the channels' spin → yield phases): `Ok(Some(message))`
+/// when one came, `Ok(None)` when the spin budget ran out first (the caller blocks now),
+/// `Err(())` when the sender is gone. Both ends of a one-off call to a thread actor spin
+/// first: a thread blocked in `recv` and woken from the other core costs ~80 µs on the
+/// target machines, and a call had two of them (`reference/measurements.md`).
+fn recv_spinning<T>(rx: &Receiver<T>, policy: &mut SpinPolicy) -> Result<Option<T>, ()> {
+    let mut got = None;
+    policy.idle(|| match rx.try_recv() {
+        Ok(message) => {
+            got = Some(message);
+            Ok(true)
+        }
+        Err(TryRecvError::Empty) => Ok(false),
+        Err(TryRecvError::Disconnected) => Err(()),
+    })?;
+    Ok(got)
 }
 
 /// An actor with its type erased, as a host thread or worker process holds it.
@@ -600,7 +624,16 @@ pub(crate) fn host_loop(
     HOST_CALLS.with(|c| {
         let _ = c.set(calls.clone());
     });
-    while let Ok(request) = control.recv() {
+    let mut spin = SpinPolicy::new(DEFAULT_SPIN);
+    loop {
+        let request = match recv_spinning(&control, &mut spin) {
+            Ok(Some(request)) => request,
+            Ok(None) => match control.recv() {
+                Ok(request) => request,
+                Err(_) => break,
+            },
+            Err(()) => break,
+        };
         if let Some(run) = serve(&mut *host, request, &calls) {
             let installed = run.installed.clone();
             let why = host.run_graph(
