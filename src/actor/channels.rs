@@ -3,7 +3,7 @@
 //! one place that maps a [`ChannelKind`] to its module; the actor loop and the driver then see
 //! only [`ChannelWriter`](crate::channel::ChannelWriter) and
 //! [`ChannelReader`](crate::channel::ChannelReader).
-use super::observe::EdgeCount;
+use super::observe::EdgeCounters;
 use crate::channel::local::LocalHub;
 use crate::channel::net::{self, NetRx, NetTx};
 use crate::channel::shm::{ShmChannel, ShmConfig, ShmGroup, ShmRx, ShmTx};
@@ -17,7 +17,6 @@ use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// How the driver sizes the channels of a graph (from the compile options).
@@ -61,34 +60,6 @@ pub(crate) struct Handed {
     pub shm: Vec<u64>,
     pub net: Vec<u64>,
     pub fds: Vec<OwnedFd>,
-}
-
-/// The counters of the writers a process opened for one graph, by edge: shared, so that a
-/// worker can report them after the graph's channels are unmapped.
-#[derive(Clone, Default)]
-pub(crate) struct EdgeCounters(Arc<Mutex<Vec<EdgeEnd>>>);
-
-/// One writer's counters and the edge it writes.
-type EdgeEnd = (u64, Arc<EndCounters>);
-
-impl EdgeCounters {
-    /// What every writer has sent so far, by edge.
-    pub(crate) fn counts(&self) -> Vec<(u64, EdgeCount)> {
-        self.0
-            .lock()
-            .iter()
-            .map(|(edge, c)| {
-                (
-                    *edge,
-                    EdgeCount {
-                        messages: c.messages.load(Ordering::Relaxed),
-                        bytes: c.bytes.load(Ordering::Relaxed),
-                        growths: c.growths.load(Ordering::Relaxed),
-                    },
-                )
-            })
-            .collect()
-    }
 }
 
 impl GraphChannels {
@@ -373,7 +344,7 @@ impl GraphChannels {
                 }
             }
         }
-        self.counters.0.lock().push((edge, counters.clone()));
+        self.counters.add(edge, counters.clone());
         Ok(FanOut::new(ends).counted(counters))
     }
 

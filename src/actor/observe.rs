@@ -2,8 +2,11 @@
 //! operations (opt-in) and its counters (always). Both are written by the actor's own thread
 //! only, with plain relaxed stores, and read by whoever asks (the driver for thread actors,
 //! the worker's control loop for process actors) without stopping the actor.
+use crate::channel::EndCounters;
 pub(crate) use crate::channel::bump;
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// Nanoseconds of `CLOCK_MONOTONIC`: one clock for every thread and every process of the
@@ -117,6 +120,39 @@ pub(crate) struct EdgeCount {
     pub growths: u64,
 }
 
+/// The counters of the writers a process opened for one graph, by edge: shared, so that a
+/// worker can report them after the graph's channels are unmapped.
+#[derive(Clone, Default)]
+pub(crate) struct EdgeCounters(Arc<Mutex<Vec<EdgeEnd>>>);
+
+/// One writer's counters and the edge it writes.
+type EdgeEnd = (u64, Arc<EndCounters>);
+
+impl EdgeCounters {
+    /// Count what the writer of `edge` sends in `counters`.
+    pub(crate) fn add(&self, edge: u64, counters: Arc<EndCounters>) {
+        self.0.lock().push((edge, counters));
+    }
+
+    /// What every writer has sent so far, by edge.
+    pub(crate) fn counts(&self) -> Vec<(u64, EdgeCount)> {
+        self.0
+            .lock()
+            .iter()
+            .map(|(edge, c)| {
+                (
+                    *edge,
+                    EdgeCount {
+                        messages: c.messages.load(Ordering::Relaxed),
+                        bytes: c.bytes.load(Ordering::Relaxed),
+                        growths: c.growths.load(Ordering::Relaxed),
+                    },
+                )
+            })
+            .collect()
+    }
+}
+
 /// What an actor reports of one graph: its counters, the edges it writes, and its timeline.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub(crate) struct Observation {
@@ -135,21 +171,21 @@ pub(crate) struct Observation {
 /// control loop) reads back.
 #[derive(Clone, Default)]
 pub(crate) struct Recorder {
-    pub counters: std::sync::Arc<ActorCounters>,
-    pub timeline: Option<std::sync::Arc<TimelineBuf>>,
+    pub counters: Arc<ActorCounters>,
+    pub timeline: Option<Arc<TimelineBuf>>,
 }
 
 impl Recorder {
     pub(crate) fn new(timeline: bool) -> Self {
         Recorder {
             counters: Default::default(),
-            timeline: timeline.then(|| std::sync::Arc::new(TimelineBuf::new(TIMELINE_CAPACITY))),
+            timeline: timeline.then(|| Arc::new(TimelineBuf::new(TIMELINE_CAPACITY))),
         }
     }
 
     /// Read everything recorded so far, with the counters of `edges` (the writers this
     /// process opened for the graph).
-    pub(crate) fn observe(&self, edges: Option<&super::channels::EdgeCounters>) -> Observation {
+    pub(crate) fn observe(&self, edges: Option<&EdgeCounters>) -> Observation {
         let (timeline, timeline_dropped) = self
             .timeline
             .as_ref()

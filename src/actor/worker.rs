@@ -5,10 +5,10 @@
 //! fires when the *thread* that forked the child exits: so workers die with the driver
 //! process, not with whichever thread happened to spawn them. A monitor thread per worker
 //! waits for the child to exit, reaps it at once (no zombie) and tears down its graph.
-use super::channels::{EdgeCounters, GraphChannels};
+use super::channels::GraphChannels;
 use super::host::{BUSY_AFTER, CallClaim, Calls, Control, RunRequest, host_loop};
 use super::method::CallFailure;
-use super::observe::{Observation, Recorder};
+use super::observe::{EdgeCounters, Observation, Recorder};
 use super::registry;
 use super::wire::{self, FromWorker, ToWorker, WireFailure};
 use crate::channel::wait::DEFAULT_SPIN;

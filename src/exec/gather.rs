@@ -12,6 +12,7 @@
 //! A graph with one output edge (the common case) reads it with the caller's whole deadline:
 //! no slices, no tries, nothing added to the fast path.
 use super::output::{EdgeRead, OutputReader};
+use super::refs::Failed;
 use crate::channel::ChanError;
 use crate::error::TaskError;
 use std::any::Any;
@@ -33,10 +34,6 @@ pub(crate) struct OutputEdge {
     /// while leftovers of a failed execution are still on their way.
     pub(crate) next: u64,
 }
-
-/// What the result buffer holds for an output of an execution that failed fast: the error of
-/// the output that failed, handed to every ref of the execution.
-pub(crate) struct Failed(pub(crate) Arc<TaskError>);
 
 /// One execution's outputs, by output index.
 pub(crate) type Results = Vec<Option<Box<dyn Any + Send>>>;

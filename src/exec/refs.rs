@@ -1,15 +1,18 @@
 //! Refs to the results of executions.
 use super::RefOwner;
-use super::gather::Failed;
 use crate::channel::Msg;
 use crate::compile::deadline_after;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TaskError};
 use crate::value::Value;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::Poll;
 use std::time::{Duration, Instant};
+
+/// What the result buffer holds for an output of an execution that failed fast: the error of
+/// the output that failed, handed to every ref of the execution.
+pub(crate) struct Failed(pub(crate) Arc<TaskError>);
 
 /// One submitted execution, shared by the refs of its outputs.
 #[doc(hidden)]
