@@ -310,6 +310,124 @@ fn check(root: &Path) -> (Vec<Violation>, BTreeMap<String, BTreeSet<String>>) {
     (violations, graph)
 }
 
+/// Lines of code outside unit-test modules (`#[cfg(test)] mod ... { ... }`), comments and
+/// strings removed.
+fn code_outside_tests(text: &str) -> Vec<String> {
+    let lines = code_lines(text);
+    let mut out = Vec::new();
+    let mut i = 0;
+    let mut test_attr = false;
+    while i < lines.len() {
+        let trimmed = lines[i].trim();
+        if trimmed.starts_with("#[cfg(") && trimmed.contains("test") {
+            test_attr = true;
+            i += 1;
+            continue;
+        }
+        if test_attr && trimmed.contains("mod ") && trimmed.contains('{') {
+            let mut depth = 0i64;
+            loop {
+                depth += lines[i].matches('{').count() as i64;
+                depth -= lines[i].matches('}').count() as i64;
+                i += 1;
+                if depth <= 0 || i >= lines.len() {
+                    break;
+                }
+            }
+            test_attr = false;
+            continue;
+        }
+        if !trimmed.is_empty() && !trimmed.starts_with("#[") {
+            test_attr = false;
+        }
+        out.push(lines[i].clone());
+        i += 1;
+    }
+    out
+}
+
+/// Inside each folder of `src/`, which file imports which of its siblings (`super::x`, or
+/// `crate::folder::x`), by path: `src/actor/host.rs` -> `src/actor/call.rs`. A folder's
+/// `mod.rs` is its door (shared types, re-exports): it is neither counted nor counts.
+fn sibling_graph(root: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let src = root.join("src");
+    let mut files = Vec::new();
+    rs_files(&src, &mut files);
+    files.sort();
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for path in files {
+        let stem = path
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .to_string();
+        let Some(dir) = path.parent() else { continue };
+        if stem == "mod" || stem.ends_with("tests") || dir == src {
+            continue;
+        }
+        // The folder's modules: its other files and its subfolders.
+        let siblings: BTreeMap<String, String> = std::fs::read_dir(dir)
+            .expect("read a folder of src/")
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter_map(|p| {
+                let name = p.file_stem()?.to_string_lossy().to_string();
+                let is_module = p.is_dir() || p.extension().is_some_and(|e| e == "rs");
+                let target = if p.is_dir() {
+                    p.join("mod.rs")
+                } else {
+                    p.clone()
+                };
+                (is_module && name != "mod" && name != stem && target.exists()).then(|| {
+                    let rel = target.strip_prefix(root).unwrap_or(&target);
+                    (name, rel.to_string_lossy().replace('\\', "/"))
+                })
+            })
+            .collect();
+        let folder = dir
+            .strip_prefix(&src)
+            .unwrap_or(dir)
+            .to_string_lossy()
+            .replace('\\', "/")
+            .replace('/', "::");
+        let prefixes = [String::from("super::"), format!("crate::{folder}::")];
+        let rel = path
+            .strip_prefix(root)
+            .unwrap_or(&path)
+            .to_string_lossy()
+            .replace('\\', "/");
+        let text = std::fs::read_to_string(&path).expect("read a source file");
+        let code = code_outside_tests(&text).join("\n");
+        for prefix in &prefixes {
+            let mut rest = code.as_str();
+            while let Some(at) = rest.find(prefix.as_str()) {
+                let before = rest[..at].chars().last();
+                rest = &rest[at + prefix.len()..];
+                if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+                    continue;
+                }
+                // `super::x::...` or a group `super::{x::..., y, ...}` (members' first names).
+                let names: Vec<&str> = match rest.strip_prefix('{') {
+                    Some(group) => group[..group.find('}').unwrap_or(group.len())]
+                        .split(',')
+                        .map(str::trim)
+                        .collect(),
+                    None => vec![rest],
+                };
+                for name in names {
+                    let first = name
+                        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                        .next()
+                        .unwrap_or("");
+                    if let Some(target) = siblings.get(first) {
+                        graph.entry(rel.clone()).or_default().insert(target.clone());
+                    }
+                }
+            }
+        }
+    }
+    graph
+}
+
 /// A cycle in the module graph, if any, as a path that returns to its start.
 fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     fn visit(
@@ -370,6 +488,29 @@ fn imports_point_one_way() {
     assert!(graph["compile"].contains("dag"), "{graph:?}");
 }
 
+/// Inside a folder too, files import one way: a circle of files (`host.rs` needs `worker.rs`
+/// needs `host.rs`) is one concept split over files, or two concepts tangled.
+#[test]
+fn files_of_a_folder_import_one_way() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let graph = sibling_graph(root);
+    if let Some(cycle) = find_cycle(&graph) {
+        panic!(
+            "files of one folder import each other in a circle: {}; move what both need into a file below them both, or invert the dependency (a trait)",
+            cycle.join(" -> ")
+        );
+    }
+    // The check reads what it should: known arrows inside the folders are there.
+    assert!(
+        graph["src/actor/host.rs"].contains("src/actor/call.rs"),
+        "{graph:?}"
+    );
+    assert!(
+        graph["src/exec/gather.rs"].contains("src/exec/refs.rs"),
+        "{graph:?}"
+    );
+}
+
 /// The checker itself catches what it must: a forbidden import in a `use` group spread over
 /// lines, a path in code, a root re-export, a channel kind named outside its opener, and a
 /// circle; and it ignores comments and strings.
@@ -415,5 +556,26 @@ fn the_checker_finds_what_it_must() {
     );
     let cycle = find_cycle(&graph).expect("dag -> exec -> dag is a circle");
     assert!(cycle.contains(&"dag".to_string()) && cycle.contains(&"exec".to_string()));
+    // Files of one folder: a -> b through a `super::` group spread over lines, b -> a through
+    // a `crate::` path in code; a mention in a comment and a test module do not count.
+    std::fs::write(
+        dir.join("src/exec/a.rs"),
+        "use super::{\n    b::B,\n    Other,\n};\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("src/exec/b.rs"),
+        "// super::c::C\nfn f() { crate::exec::a::g(); }\n#[cfg(test)]\nmod tests {\n    use super::super::c;\n}\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("src/exec/c.rs"), "use super::a::A;\n").unwrap();
+    let files = sibling_graph(&dir);
+    assert_eq!(
+        files.get("src/exec/b.rs"),
+        Some(&BTreeSet::from(["src/exec/a.rs".to_string()])),
+        "{files:?}"
+    );
+    let cycle = find_cycle(&files).expect("a -> b -> a is a circle");
+    assert!(cycle.contains(&"src/exec/a.rs".to_string()), "{cycle:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -12,11 +12,12 @@
 //! A communicator failure that can leave the ranks out of step (a timeout, an abort, a send
 //! or receive that failed half way) destroys the group: every rank then fails at once, each
 //! later execution returns the error, and nothing waits for a peer that will never come.
-use super::method::{Op, TaskBuilder};
+use super::channels::GraphChannels;
+use super::op::Op;
 use crate::channel::slot::LocalSlot;
 use crate::channel::{ChanError, ChannelWriter, FanOut, Msg, Reader};
 use crate::comm::{CommError, Communicator, cpu::MAX_DIMS};
-use crate::compile::plan::{OpSpec, Stage};
+use crate::compile::plan::{GraphPlan, Loc, OpSpec, Stage};
 use crate::dag::collective::CollectiveKind;
 use crate::error::TaskError;
 use crate::tensor::{DType, Tensor};
@@ -58,7 +59,28 @@ fn key(op: &OpSpec) -> Option<(Key, Stage)> {
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// The communicator side of a [`TaskBuilder`].
+/// What building a communicator operation needs from the builder of the actor's schedule
+/// (`method::TaskBuilder`): the graph, this actor's place and channels, its communicator
+/// side, and the tensors its other operations produce and consume. A trait, so that this
+/// module does not import the builder that calls it.
+pub(crate) trait ScheduleWiring<A> {
+    fn plan(&self) -> &GraphPlan;
+    fn me(&self) -> Loc;
+    fn chans(&self) -> &GraphChannels;
+    fn actor_name(&self) -> &str;
+    fn comm(&mut self) -> &mut CommCtx<A>;
+    fn slots_insert(&mut self, edge: u64, slot: Rc<dyn Any>);
+    /// The slot of a tensor computed earlier in the schedule, if any.
+    fn tensor_slot(&mut self, edge: u64) -> Result<Option<Rc<LocalSlot<Tensor>>>, String>;
+    /// The slot a tensor-producing operation writes, with the writes that send it on.
+    fn tensor_output(
+        &mut self,
+        edge: u64,
+        method: &'static str,
+    ) -> Result<Rc<LocalSlot<Tensor>>, String>;
+}
+
+/// The communicator side of the schedule's builder (see [`ScheduleWiring`]).
 pub(crate) struct CommCtx<A> {
     comms: CommMap,
     /// This actor's communicator ops, by what they move, with the stages they appear in.
@@ -374,26 +396,27 @@ fn check_tensor<T: 'static>(edge: u64) -> Result<(), String> {
 }
 
 /// The slot of a communicator edge read by this actor, with its receive operation(s).
-pub(crate) fn recv_slot<A, T: 'static>(
-    b: &mut TaskBuilder<'_, A>,
+pub(crate) fn recv_slot<A, T: 'static, B: ScheduleWiring<A>>(
+    b: &mut B,
     edge: u64,
 ) -> Result<Rc<LocalSlot<T>>, String> {
     check_tensor::<T>(edge)?;
-    let Some(OpSpec::Recv { group, peer, .. }) = b.comm.specs.get(&Key::Recv(edge)).cloned() else {
+    let Some(OpSpec::Recv { group, peer, .. }) = b.comm().specs.get(&Key::Recv(edge)).cloned()
+    else {
         return Err(format!(
             "edge {edge} has no receive in this actor's schedule"
         ));
     };
-    let plan = b.plan.edge(edge)?;
+    let plan = b.plan().edge(edge)?;
     let label = plan.label.clone();
     let slot = Rc::new(LocalSlot::<Tensor>::new(label.clone()));
-    let comm = b.comm.comm(group)?;
-    let mut reader: Reader<TensorMeta> = b.chans.reader(b.plan, edge, b.me)?;
-    let actor = b.actor_name.clone();
-    let stages = b.comm.stages(Key::Recv(edge));
+    let comm = b.comm().comm(group)?;
+    let mut reader: Reader<TensorMeta> = b.chans().reader(b.plan(), edge, b.me())?;
+    let actor = b.actor_name().to_string();
+    let stages = b.comm().stages(Key::Recv(edge));
     if stages.contains(&Stage::Inline) {
         let fill = slot.clone();
-        b.comm.built.insert(
+        b.comm().built.insert(
             (Key::Recv(edge), Stage::Inline),
             Box::new(move |_: &mut A| {
                 fill.put(recv_one(&mut reader, &*comm, peer, &actor, &label)?);
@@ -401,11 +424,11 @@ pub(crate) fn recv_slot<A, T: 'static>(
             }),
         );
     } else {
-        let jobs = b.comm.jobs(&actor)?;
+        let jobs = b.comm().jobs(&actor)?;
         let reader = Arc::new(Mutex::new(reader));
         let (done_tx, done_rx) = crossbeam_channel::bounded::<Result<Msg<Tensor>, ChanError>>(2);
         let (actor, label): (Arc<str>, Arc<str>) = (actor.into(), label.into());
-        b.comm.built.insert(
+        b.comm().built.insert(
             (Key::Recv(edge), Stage::Issue),
             Box::new(move |_: &mut A| {
                 let (reader, comm, done, actor, label) = (
@@ -423,7 +446,7 @@ pub(crate) fn recv_slot<A, T: 'static>(
             }),
         );
         let fill = slot.clone();
-        b.comm
+        b.comm()
             .built
             .insert((Key::Recv(edge), Stage::Wait), wait_op(done_rx, fill));
     }
@@ -444,39 +467,39 @@ fn wait_op<A>(
 
 /// The slot of a tensor this actor computes and sends through a communicator, with its send
 /// operation.
-pub(crate) fn send_slot<A, T: 'static>(
-    b: &mut TaskBuilder<'_, A>,
+pub(crate) fn send_slot<A, T: 'static, B: ScheduleWiring<A>>(
+    b: &mut B,
     edge: u64,
 ) -> Result<Rc<LocalSlot<T>>, String> {
     check_tensor::<T>(edge)?;
-    let Some(OpSpec::Send { group, peers, .. }) = b.comm.specs.get(&Key::Send(edge)).cloned()
+    let Some(OpSpec::Send { group, peers, .. }) = b.comm().specs.get(&Key::Send(edge)).cloned()
     else {
         return Err(format!("edge {edge} has no send in this actor's schedule"));
     };
-    let plan = b.plan.edge(edge)?;
+    let plan = b.plan().edge(edge)?;
     let label = plan.label.clone();
     let slot = Rc::new(LocalSlot::<Tensor>::new(label.clone()));
     slot.add_use();
-    let comm = b.comm.comm(group)?;
-    let mut writer: FanOut<TensorMeta> = b.chans.writer(b.plan, edge, b.me)?;
-    let actor = b.actor_name.clone();
+    let comm = b.comm().comm(group)?;
+    let mut writer: FanOut<TensorMeta> = b.chans().writer(b.plan(), edge, b.me())?;
+    let actor = b.actor_name().to_string();
     let take = slot.clone();
-    let stages = b.comm.stages(Key::Send(edge));
+    let stages = b.comm().stages(Key::Send(edge));
     if stages.contains(&Stage::Inline) {
-        b.comm.built.insert(
+        b.comm().built.insert(
             (Key::Send(edge), Stage::Inline),
             Box::new(move |_: &mut A| {
                 send_one(&mut writer, &*comm, &peers, take.take(), &actor, &label)
             }),
         );
     } else {
-        let jobs = b.comm.jobs(&actor)?;
+        let jobs = b.comm().jobs(&actor)?;
         let writer = Arc::new(Mutex::new(writer));
         let (done_tx, done_rx) = crossbeam_channel::bounded::<Result<(), ChanError>>(2);
         let peers: Arc<[usize]> = peers.into();
         let (actor, label): (Arc<str>, Arc<str>) = (actor.into(), label.into());
         let mut pending = false;
-        b.comm.built.insert(
+        b.comm().built.insert(
             (Key::Send(edge), Stage::Issue),
             Box::new(move |_: &mut A| {
                 let msg = take.take();
@@ -507,7 +530,10 @@ pub(crate) fn send_slot<A, T: 'static>(
 }
 
 /// This actor's part of a collective (`op` is an `OpSpec::Collective`).
-pub(crate) fn build_collective<A>(b: &mut TaskBuilder<'_, A>, op: &OpSpec) -> Result<(), String> {
+pub(crate) fn build_collective<A>(
+    b: &mut impl ScheduleWiring<A>,
+    op: &OpSpec,
+) -> Result<(), String> {
     let OpSpec::Collective {
         node,
         input,
@@ -521,20 +547,20 @@ pub(crate) fn build_collective<A>(b: &mut TaskBuilder<'_, A>, op: &OpSpec) -> Re
         return Err("not a collective".into());
     };
     let (node, kind) = (*node, *kind);
-    let inp = b.slot::<Tensor>(*input)?.ok_or_else(|| {
+    let inp = b.tensor_slot(*input)?.ok_or_else(|| {
         format!(
             "the input of collective {} is not computed before it on this actor",
             kind
         )
     })?;
     inp.add_use();
-    let out = b.output::<Tensor>(node, "collective")?;
-    let comm = b.comm.comm(*group)?;
+    let out = b.tensor_output(node, "collective")?;
+    let comm = b.comm().comm(*group)?;
     let order: Arc<[usize]> = order.clone().into();
-    let actor = b.actor_name.clone();
+    let actor = b.actor_name().to_string();
     match stage {
         Stage::Inline => {
-            b.comm.built.insert(
+            b.comm().built.insert(
                 (Key::Coll(node), Stage::Inline),
                 Box::new(move |_: &mut A| {
                     out.put(run_collective(&*comm, kind, &order, inp.take(), &actor));
@@ -543,11 +569,11 @@ pub(crate) fn build_collective<A>(b: &mut TaskBuilder<'_, A>, op: &OpSpec) -> Re
             );
         }
         _ => {
-            let jobs = b.comm.jobs(&actor)?;
+            let jobs = b.comm().jobs(&actor)?;
             let (done_tx, done_rx) =
                 crossbeam_channel::bounded::<Result<Msg<Tensor>, ChanError>>(2);
             let actor: Arc<str> = actor.into();
-            b.comm.built.insert(
+            b.comm().built.insert(
                 (Key::Coll(node), Stage::Issue),
                 Box::new(move |_: &mut A| {
                     let msg = inp.take();
@@ -559,7 +585,7 @@ pub(crate) fn build_collective<A>(b: &mut TaskBuilder<'_, A>, op: &OpSpec) -> Re
                     .map_err(|_| ChanError::Closed)
                 }),
             );
-            b.comm
+            b.comm()
                 .built
                 .insert((Key::Coll(node), Stage::Wait), wait_op(done_rx, out));
         }

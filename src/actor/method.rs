@@ -4,32 +4,22 @@
 //! generic code here turns it into the operations of an actor's schedule. All type dispatch
 //! happens once, when the schedule is installed: the loop then runs boxed closures over
 //! typed slots and channels, with no lookup by name.
+use super::call::CallFailure;
 use super::channels::{ErasedReaderFn, GraphChannels, erased_reader};
+use super::comm_ops::{self, CommCtx, ScheduleWiring};
+use super::op::Op;
 use crate::channel::slot::LocalSlot;
 use crate::channel::{ChanError, ChannelReader, ChannelWriter, Msg};
 use crate::compile::plan::{ArgSource, GraphPlan, Loc};
 use crate::dag::MethodSig;
 use crate::error::{MethodError, TaskError};
+use crate::tensor::Tensor;
 use crate::value::{TypeTag, Value, decode, encode};
 use std::any::Any;
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::rc::Rc;
 use std::sync::Arc;
-
-/// One operation of an installed schedule.
-pub(crate) type Op<A> = Box<dyn FnMut(&mut A) -> Result<(), ChanError>>;
-
-/// Why a one-off call did not return a value.
-#[derive(Debug)]
-pub(crate) enum CallFailure {
-    NoSuchMethod,
-    BadArgs(String),
-    Task(MethodError),
-    /// The actor did not take the call within [`BUSY_AFTER`](super::host::BUSY_AFTER): it is
-    /// stuck inside a method; the call was withdrawn without running.
-    Busy,
-}
 
 /// One exported method of an actor type.
 pub struct MethodEntry<A> {
@@ -427,7 +417,7 @@ pub(crate) struct TaskBuilder<'a, A> {
     pub(crate) reads: HashMap<u64, Op<A>>,
     pub(crate) writes: HashMap<u64, Op<A>>,
     /// Communicator edges and collectives of this actor.
-    pub(crate) comm: super::comm_ops::CommCtx<A>,
+    pub(crate) comm: CommCtx<A>,
 }
 
 impl<'a, A> TaskBuilder<'a, A> {
@@ -487,8 +477,8 @@ impl<'a, A> TaskBuilder<'a, A> {
         if let Some(slot) = self.slot::<T>(edge)? {
             return Ok(slot);
         }
-        if super::comm_ops::is_recv(&self.comm, edge) {
-            return super::comm_ops::recv_slot::<A, T>(self, edge);
+        if comm_ops::is_recv(&self.comm, edge) {
+            return comm_ops::recv_slot::<A, T, _>(self, edge);
         }
         let plan = self.plan.edge(edge)?;
         let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
@@ -496,7 +486,7 @@ impl<'a, A> TaskBuilder<'a, A> {
         let mut fill = slot.clone();
         self.reads.insert(
             edge,
-            Box::new(move |_: &mut A| fill.write(super::host::read_between(&mut reader)?, None)),
+            Box::new(move |_: &mut A| fill.write(super::call::read_between(&mut reader)?, None)),
         );
         self.slots.insert(edge, slot.clone());
         Ok(slot)
@@ -508,8 +498,8 @@ impl<'a, A> TaskBuilder<'a, A> {
         edge: u64,
         method: &'static str,
     ) -> Result<Rc<LocalSlot<T>>, String> {
-        if super::comm_ops::is_send(&self.comm, edge) {
-            return super::comm_ops::send_slot::<A, T>(self, edge);
+        if comm_ops::is_send(&self.comm, edge) {
+            return comm_ops::send_slot::<A, T, _>(self, edge);
         }
         let plan = self.plan.edge(edge)?;
         let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
@@ -570,6 +560,37 @@ impl<'a, A> TaskBuilder<'a, A> {
             });
             Ok(())
         }))
+    }
+}
+
+impl<A> ScheduleWiring<A> for TaskBuilder<'_, A> {
+    fn plan(&self) -> &GraphPlan {
+        self.plan
+    }
+    fn me(&self) -> Loc {
+        self.me
+    }
+    fn chans(&self) -> &GraphChannels {
+        self.chans
+    }
+    fn actor_name(&self) -> &str {
+        &self.actor_name
+    }
+    fn comm(&mut self) -> &mut CommCtx<A> {
+        &mut self.comm
+    }
+    fn slots_insert(&mut self, edge: u64, slot: Rc<dyn Any>) {
+        TaskBuilder::slots_insert(self, edge, slot);
+    }
+    fn tensor_slot(&mut self, edge: u64) -> Result<Option<Rc<LocalSlot<Tensor>>>, String> {
+        self.slot::<Tensor>(edge)
+    }
+    fn tensor_output(
+        &mut self,
+        edge: u64,
+        method: &'static str,
+    ) -> Result<Rc<LocalSlot<Tensor>>, String> {
+        self.output::<Tensor>(edge, method)
     }
 }
 

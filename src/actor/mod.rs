@@ -9,12 +9,15 @@ use std::ops::Deref;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub(crate) mod call;
 pub(crate) mod channels;
 pub(crate) mod comm_ops;
 pub(crate) mod host;
+pub(crate) mod link;
 pub(crate) mod logs;
 pub(crate) mod method;
 pub(crate) mod observe;
+pub(crate) mod op;
 pub(crate) mod registry;
 pub(crate) mod remote;
 mod runtime;
@@ -70,7 +73,7 @@ pub(crate) struct ActorShared {
     /// A driver's reader of a method's result (`None`) or of element `i` of its tuple result
     /// (`Some(i)`), for by-name outputs; `None` for an unknown method or element.
     pub output_reader: fn(&str, Option<usize>) -> Option<channels::ErasedReaderFn>,
-    pub link: host::ActorLink,
+    pub link: link::ActorLink,
     /// The live compiled graph this actor belongs to.
     pub live_graph: Arc<Mutex<Option<u64>>>,
     /// The device whose tensors the actor computes on (chooses `Transport::Auto`).
@@ -101,15 +104,15 @@ impl ActorInfo for ActorShared {
     /// 0 for actors in the driver's process, else the actor's own process number.
     fn process(&self) -> u64 {
         match &self.link {
-            host::ActorLink::Thread(_) => 0,
-            host::ActorLink::Process(_) | host::ActorLink::Remote(_) => self.id,
+            link::ActorLink::Thread(_) => 0,
+            link::ActorLink::Process(_) | link::ActorLink::Remote(_) => self.id,
         }
     }
 
     fn host(&self) -> u64 {
         match &self.link {
-            host::ActorLink::Remote(link) => link.host(),
-            host::ActorLink::Thread(_) | host::ActorLink::Process(_) => 0,
+            link::ActorLink::Remote(link) => link.host(),
+            link::ActorLink::Thread(_) | link::ActorLink::Process(_) => 0,
         }
     }
 }

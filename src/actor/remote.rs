@@ -1,8 +1,8 @@
 //! Actors on other hosts: the driver's link to an actor whose worker runs on a joined host
 //! ([`RemoteLink`]), and what a host's agent does for the driver ([`AgentWorkers`]): start
 //! workers there with the same rules as here, serve one-off calls, report deaths.
+use super::call::{CallFailure, call_failure, decode_result, encode_args};
 use super::channels::{ChannelSizes, GraphChannels};
-use super::method::CallFailure;
 use super::worker::{ProcessLink, graphs};
 use crate::cluster::agent::{AgentContext, AgentServices};
 use crate::cluster::data::DataPlane;
@@ -85,14 +85,10 @@ pub(crate) struct RemoteLink {
 
 fn remote_error(actor: &str, method: &str, failure: RemoteFailure) -> Error {
     match failure {
-        RemoteFailure::NoSuchMethod => {
-            super::host::call_failure(actor, method, CallFailure::NoSuchMethod)
-        }
-        RemoteFailure::BadArgs(m) => {
-            super::host::call_failure(actor, method, CallFailure::BadArgs(m))
-        }
-        RemoteFailure::Task(m) => super::host::call_failure(actor, method, CallFailure::Task(m)),
-        RemoteFailure::Busy => super::host::call_failure(actor, method, CallFailure::Busy),
+        RemoteFailure::NoSuchMethod => call_failure(actor, method, CallFailure::NoSuchMethod),
+        RemoteFailure::BadArgs(m) => call_failure(actor, method, CallFailure::BadArgs(m)),
+        RemoteFailure::Task(m) => call_failure(actor, method, CallFailure::Task(m)),
+        RemoteFailure::Busy => call_failure(actor, method, CallFailure::Busy),
         RemoteFailure::Died(reason) | RemoteFailure::HostLost(reason) => Error::ActorDied {
             actor: actor.to_string(),
             reason,
@@ -190,7 +186,7 @@ impl RemoteLink {
                 reason: why,
             });
         }
-        let args = super::host::encode_args(actor, method, &args)?;
+        let args = encode_args(actor, method, &args)?;
         let reply = self.cluster.request(
             self.host,
             AgentRequest::Call {
@@ -210,7 +206,7 @@ impl RemoteLink {
             }
             Err(f) => return Err(remote_error(actor, method, f)),
         };
-        super::host::decode_result(
+        decode_result(
             actor,
             method,
             &bytes,

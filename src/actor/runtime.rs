@@ -1,5 +1,7 @@
 //! The driver's runtime: spawns actors on threads or in worker processes.
-use super::host::{ActorLink, Control, ThreadLink, host_loop};
+use super::call::Calls;
+use super::host::{Control, host_loop};
+use super::link::{ActorLink, ThreadLink};
 use super::method::panic_text;
 use super::remote::RemoteLink;
 use super::worker::ProcessLink;
@@ -90,6 +92,14 @@ fn output_reader<A: Actor>(
         None => Some(m.imp.output_reader()),
         Some(i) => m.imp.elem_reader(i),
     }
+}
+
+/// Runs before `main` in every executable that links adag: a worker (or a host's agent)
+/// never reaches `main`.
+#[ctor::ctor(unsafe)]
+fn adag_worker_hook() {
+    super::worker::maybe_run_worker();
+    crate::cluster::agent::maybe_run_agent(super::remote::agent_services);
 }
 
 fn method_names<A: Actor>() -> Vec<&'static str> {
@@ -252,7 +262,7 @@ fn encode_init<T: Value>(name: &str, init: &T) -> Result<Vec<u8>> {
 
 fn spawn_thread<A: Actor>(id: u64, name: &str, init: A::Init) -> Result<ThreadLink> {
     let (control, rx) = crossbeam_channel::unbounded::<Control>();
-    let calls = std::sync::Arc::new(super::host::Calls::default());
+    let calls = std::sync::Arc::new(Calls::default());
     let host_calls = calls.clone();
     let (ready_tx, ready_rx) = crossbeam_channel::bounded::<Result<(), String>>(1);
     let host_name = name.to_string();

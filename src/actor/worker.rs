@@ -5,9 +5,11 @@
 //! fires when the *thread* that forked the child exits: so workers die with the driver
 //! process, not with whichever thread happened to spawn them. A monitor thread per worker
 //! waits for the child to exit, reaps it at once (no zombie) and tears down its graph.
+use super::call::{
+    BUSY_AFTER, CallClaim, CallFailure, Calls, call_failure, decode_result, encode_args,
+};
 use super::channels::GraphChannels;
-use super::host::{BUSY_AFTER, CallClaim, Calls, Control, RunRequest, host_loop};
-use super::method::CallFailure;
+use super::host::{Control, RunRequest, host_loop};
 use super::observe::{EdgeCounters, Observation, Recorder};
 use super::registry;
 use super::wire::{self, FromWorker, ToWorker, WireFailure};
@@ -333,11 +335,11 @@ impl ProcessLink {
         method: &str,
         args: Args,
     ) -> Result<R> {
-        let args = super::host::encode_args(actor, method, &args)?;
+        let args = encode_args(actor, method, &args)?;
         let bytes = self
             .call_bytes(method, args)?
-            .map_err(|f| super::host::call_failure(actor, method, f))?;
-        super::host::decode_result(
+            .map_err(|f| call_failure(actor, method, f))?;
+        decode_result(
             actor,
             method,
             &bytes,
@@ -708,7 +710,7 @@ fn worker_main(sock: OwnedFd) -> i32 {
                     return 6;
                 }
                 // Served at once, or between two executions of a graph's schedule; withdrawn
-                // when the actor is stuck inside a method (see `host::BUSY_AFTER`).
+                // when the actor is stuck inside a method (see `call::BUSY_AFTER`).
                 let reply = match reply_rx.recv_timeout(BUSY_AFTER) {
                     Err(crossbeam_channel::RecvTimeoutError::Timeout) if claim.cancel() => {
                         Ok(Err(CallFailure::Busy))
@@ -813,11 +815,4 @@ pub(crate) fn ignore_sigpipe() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
-}
-
-/// Runs before `main` in every executable that links adag: a worker never reaches `main`.
-#[ctor::ctor(unsafe)]
-fn adag_worker_hook() {
-    maybe_run_worker();
-    crate::cluster::agent::maybe_run_agent(super::remote::agent_services);
 }

@@ -3,7 +3,7 @@
 //! takes those read there and installs its actors' schedules), and closes it at teardown.
 use crate::actor::HandleCore;
 use crate::actor::channels::ChannelSizes;
-use crate::actor::host::ActorLink;
+use crate::actor::link::ActorLink;
 use crate::actor::remote::{HostPart, close_on_host, install_on_host};
 use crate::cluster::driver::ClusterDriver;
 use crate::compile::plan::GraphPlan;

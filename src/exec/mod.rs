@@ -2,7 +2,8 @@
 //! teardown and the death of an actor.
 use crate::actor::HandleCore;
 use crate::actor::channels::{ChannelSizes, GraphChannels};
-use crate::actor::host::{ActorLink, Control, RunRequest};
+use crate::actor::host::{Control, RunRequest};
+use crate::actor::link::ActorLink;
 use crate::actor::worker::DeathSink;
 use crate::buffer::BufferMut;
 use crate::channel::{ChanError, FanOut, Reader};

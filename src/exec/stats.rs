@@ -5,7 +5,8 @@
 use super::timeline::{OpKind, Timeline, TimelineEvent};
 use crate::actor::HandleCore;
 use crate::actor::channels::GraphChannels;
-use crate::actor::host::{ActorLink, op_name};
+use crate::actor::host::op_name;
+use crate::actor::link::ActorLink;
 use crate::actor::observe::{EdgeCount, Observation, Recorder};
 use crate::compile::plan::GraphPlan;
 use parking_lot::Mutex;
