@@ -100,6 +100,8 @@ fn secs(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
 #[pyclass(module = "adag._native", frozen)]
 pub struct NativeActor {
     handle: ActorHandle<PyActor>,
+    /// The host it runs on (0: the driver's).
+    host: u64,
 }
 
 #[pymethods]
@@ -110,10 +112,16 @@ impl NativeActor {
         self.handle.name().to_string()
     }
 
-    /// The worker's process id.
+    /// The worker's process id (on its host).
     #[getter]
     fn pid(&self) -> Option<u32> {
         self.handle.pid()
+    }
+
+    /// The id of the host the worker runs on (0: the driver's).
+    #[getter]
+    fn host(&self) -> u64 {
+        self.host
     }
 
     /// Kill the worker process (SIGKILL); its graph, if any, is torn down.
@@ -143,9 +151,10 @@ fn fresh_key() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// Spawn a Python actor in a worker process of its own.
+/// Spawn a Python actor in a worker process of its own, on host `host` (0 or `None`: the
+/// driver's).
 #[pyfunction]
-#[pyo3(signature = (class_bytes, args, kwargs, sys_path, name=None))]
+#[pyo3(signature = (class_bytes, args, kwargs, sys_path, name=None, host=None))]
 pub fn spawn(
     py: Python<'_>,
     class_bytes: Vec<u8>,
@@ -153,6 +162,7 @@ pub fn spawn(
     kwargs: Bound<'_, PyDict>,
     sys_path: Vec<String>,
     name: Option<String>,
+    host: Option<u64>,
 ) -> PyResult<NativeActor> {
     let init = PyInit {
         class: class_bytes,
@@ -167,10 +177,79 @@ pub fn spawn(
     if let Some(n) = name {
         options = options.name(n);
     }
+    let host = host.unwrap_or(0);
+    let placement = if host == 0 {
+        Placement::Process
+    } else {
+        Placement::Host(host)
+    };
     let handle = py
-        .allow_threads(|| rt.spawn_with::<PyActor>(Placement::Process, options, init))
+        .allow_threads(|| rt.spawn_with::<PyActor>(placement, options, init))
         .map_err(|e| to_py_err(py, e))?;
-    Ok(NativeActor { handle })
+    Ok(NativeActor { handle, host })
+}
+
+/// A joined host as Python sees it: `(id, name, address, cores, agent pid)`.
+type HostTuple = (u64, String, String, usize, u32);
+
+fn host_tuple(h: &adag::cluster::HostInfo) -> HostTuple {
+    (h.id, h.name.clone(), h.address.to_string(), h.cores, h.pid)
+}
+
+/// Listen for hosts joining this driver on `addr` (`ip:port`; port 0: any free one) with
+/// the shared secret `token`; returns the address they join (`ADAG_JOIN`).
+#[pyfunction]
+#[pyo3(signature = (addr, token, heartbeat_timeout=None))]
+pub fn listen(
+    py: Python<'_>,
+    addr: &str,
+    token: String,
+    heartbeat_timeout: Option<f64>,
+) -> PyResult<String> {
+    let addr: std::net::SocketAddr = addr.parse().map_err(|e| {
+        PyValueError::new_err(format!(
+            "listen={addr:?} is not an ip:port address ({e}); e.g. \"127.0.0.1:0\" or \"0.0.0.0:7070\""
+        ))
+    })?;
+    if token.is_empty() {
+        return Err(PyValueError::new_err(
+            "the shared secret (token=, or ADAG_TOKEN) must not be empty",
+        ));
+    }
+    let mut options = adag::cluster::ClusterOptions::new(token).addr(addr);
+    if let Some(t) = secs("heartbeat_timeout", heartbeat_timeout)? {
+        if t == Duration::MAX {
+            return Err(PyValueError::new_err(
+                "heartbeat_timeout must be a positive number of seconds",
+            ));
+        }
+        options = options.heartbeat_timeout(t);
+    }
+    let rt = runtime()?;
+    let bound = py
+        .allow_threads(|| rt.listen(options))
+        .map_err(|e| to_py_err(py, e))?;
+    Ok(bound.to_string())
+}
+
+/// The hosts that joined and are alive, in joining order.
+#[pyfunction]
+pub fn hosts() -> PyResult<Vec<HostTuple>> {
+    Ok(runtime()?.hosts().iter().map(host_tuple).collect())
+}
+
+/// Wait until `n` hosts have joined, up to `timeout` seconds; the hosts.
+#[pyfunction]
+pub fn wait_for_hosts(py: Python<'_>, n: usize, timeout: f64) -> PyResult<Vec<HostTuple>> {
+    // For ever is a long time (an `Instant` cannot be `Duration::MAX` away).
+    let t = secs("timeout", Some(timeout))?
+        .unwrap_or(Duration::MAX)
+        .min(Duration::from_secs(100 * 365 * 86_400));
+    let rt = runtime()?;
+    let got = py
+        .allow_threads(|| rt.wait_for_hosts(n, t))
+        .map_err(|e| to_py_err(py, e))?;
+    Ok(got.iter().map(host_tuple).collect())
 }
 
 /// Which part of `execute(*args, **kwargs)` an input part is.
