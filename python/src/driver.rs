@@ -400,7 +400,7 @@ impl NativeGraph {
         let input = self.input(py, &args, kwargs.as_ref())?;
         let refs = py
             .allow_threads(|| g.execute(input))
-            .map_err(|e| to_py_err(py, e))?;
+            .map_err(|e| to_py_err(py, submit_error(e)))?;
         self.wrap(py, refs)
     }
 
@@ -416,19 +416,21 @@ impl NativeGraph {
     ) -> PyResult<Option<PyObject>> {
         let g = self.live(py)?;
         let input = self.input(py, &args, kwargs.as_ref())?;
-        // Polled once: `execute_async` is ready at once when there is room, and dropping it
-        // pending submits nothing (it is cancel-safe).
+        // Polled once: `execute_async` is ready at once when there is room (or no room will
+        // come without a result being claimed), and dropping it pending submits nothing (it
+        // is cancel-safe).
         match py.allow_threads(|| poll_once(g.execute_async(input))) {
             None => Ok(None),
             Some(r) => {
-                let refs = r.map_err(|e| to_py_err(py, e))?;
+                let refs = r.map_err(|e| to_py_err(py, submit_error(e)))?;
                 self.wrap(py, refs).map(Some)
             }
         }
     }
 
     /// Submit one execution of an `enable_asyncio` graph, waiting (up to the submit timeout)
-    /// for room; called from a thread of the asyncio executor. One ref, or a list of refs.
+    /// for the room that the results of dropped futures free once they arrive; called from a
+    /// thread of the asyncio executor. One ref, or a list of refs.
     #[pyo3(signature = (*args, **kwargs))]
     fn submit_async(
         &self,
@@ -438,9 +440,26 @@ impl NativeGraph {
     ) -> PyResult<PyObject> {
         let g = self.live(py)?;
         let input = self.input(py, &args, kwargs.as_ref())?;
+        let timeout = g.options().submit_timeout;
+        let started = std::time::Instant::now();
         let refs = py
             .allow_threads(|| pollster::block_on(g.execute_async(input)))
-            .map_err(|e| to_py_err(py, e))?;
+            .map_err(|e| {
+                // Full still after waiting the whole submit timeout: that wait timed out.
+                let e = match e {
+                    Error::CapacityExceeded { limit, .. } if started.elapsed() >= timeout => {
+                        Error::Timeout {
+                            what: format!(
+                                "room to submit an execution (all {limit} executions in flight, experimental_compile(_max_inflight_executions=...), were still running)"
+                            ),
+                            timeout,
+                            hint: String::new(),
+                        }
+                    }
+                    e => e,
+                };
+                to_py_err(py, submit_error(e))
+            })?;
         self.wrap(py, refs)
     }
 
@@ -528,6 +547,25 @@ impl NativeGraph {
             parts.push(dumps(py, &obj)?);
         }
         Ok(PyInput { parts })
+    }
+}
+
+/// An error of submitting an execution: every wait of a submission is bounded by the submit
+/// timeout (room in the input channels, an earlier execution whose refs were dropped and whose
+/// result must be read first, room among the executions in flight), so a timeout there names
+/// that option, whatever the wait was.
+fn submit_error(e: Error) -> Error {
+    match e {
+        Error::Timeout { what, timeout, .. } => Error::Timeout {
+            what: if what.contains("submit") {
+                what
+            } else {
+                format!("{what} while submitting an execution")
+            },
+            timeout,
+            hint: "raise experimental_compile(_submit_timeout=...) if executions are expected to take that long, or get results before submitting more (experimental_compile(_max_inflight_executions=...) bounds how many are in flight)".into(),
+        },
+        e => e,
     }
 }
 
