@@ -133,11 +133,7 @@ impl NativeActor {
     /// A one-off call: `method(*args, **kwargs)` in the worker, all arguments constants
     /// (a pickled template with no node argument).
     fn call(&self, py: Python<'_>, method: String, template: Vec<u8>) -> PyResult<PyObject> {
-        let spec = CallSpec {
-            key: fresh_key(),
-            method,
-            template,
-        };
+        let spec = CallSpec::new(crate::actor::ONE_OFF, method, template);
         let r = py.allow_threads(|| self.handle.call().call0(spec));
         let v = r.map_err(|e| to_py_err(py, e))?;
         loads(py, &v)
@@ -146,6 +142,7 @@ impl NativeActor {
 
 fn fresh_key() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
+    // From 1: 0 is `ONE_OFF`.
     static NEXT: AtomicU64 = AtomicU64::new(1);
     // Keys of one driver; a worker serves one driver.
     NEXT.fetch_add(1, Ordering::Relaxed)
@@ -341,11 +338,11 @@ impl NativeGraph {
                     args.len()
                 )));
             }
-            let mut erased = vec![ErasedArg::constant(CallSpec {
-                key: fresh_key(),
-                method: method.clone(),
+            let mut erased = vec![ErasedArg::constant(CallSpec::new(
+                fresh_key(),
+                method.clone(),
                 template,
-            })];
+            ))];
             for a in args {
                 let n = if a >= 0 {
                     built.get(a as usize)
@@ -576,6 +573,26 @@ fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
         std::task::Poll::Ready(v) => Some(v),
         std::task::Poll::Pending => None,
     }
+}
+
+/// The value of a ref, or the values of a list of refs, in order (Ray's `ray.get`).
+///
+/// `timeout` is in seconds for each ref (`None`: the graph's default for compiled-graph refs,
+/// for ever for one-off calls). Raises `TaskError` (also an instance of the method's own
+/// exception type) when a method failed, `GetTimeoutError` on timeout (the ref stays valid),
+/// `ActorDiedError` when an actor died.
+#[pyfunction]
+#[pyo3(signature = (refs, timeout=None))]
+pub fn get(py: Python<'_>, refs: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<PyObject> {
+    // The hot path, one compiled-graph ref, without a Python frame; the rest in Python.
+    if let Ok(r) = refs.downcast_exact::<CompiledDAGRef>() {
+        return r.get().get(py, timeout);
+    }
+    static SLOW: pyo3::sync::GILOnceCell<PyObject> = pyo3::sync::GILOnceCell::new();
+    SLOW.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("adag")?.getattr("_get")?.unbind())
+    })?
+    .call1(py, (refs, timeout))
 }
 
 /// The result of one output of one execution (Ray's `CompiledDAGRef`): claim it once with

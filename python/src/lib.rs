@@ -43,6 +43,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_set_worker_command, m)?)?;
     m.add_function(wrap_pyfunction!(_run_agent, m)?)?;
     m.add_function(wrap_pyfunction!(driver::spawn, m)?)?;
+    m.add_function(wrap_pyfunction!(driver::get, m)?)?;
     m.add_function(wrap_pyfunction!(driver::listen, m)?)?;
     m.add_function(wrap_pyfunction!(driver::hosts, m)?)?;
     m.add_function(wrap_pyfunction!(driver::wait_for_hosts, m)?)?;
