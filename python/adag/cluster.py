@@ -264,10 +264,10 @@ class LocalHosts:
         """The agents' process ids."""
         return [p.pid for p in self._procs]
 
-    def node_ids(self) -> List[str]:
+    def node_ids(self) -> List[Optional[str]]:
         """The ``NodeID`` of each host, in order (``None`` for one not joined or lost)."""
         by_pid = {n["AgentPid"]: n["NodeID"] for n in _joined(_native.hosts())}
-        return [by_pid.get(p.pid) for p in self._procs]  # type: ignore[misc]
+        return [by_pid.get(p.pid) for p in self._procs]
 
     def wait(self, timeout: float = 60.0) -> List[str]:
         """Wait until every host joined; their ``NodeID``s in order."""
@@ -275,7 +275,7 @@ class LocalHosts:
         while True:
             ids = self.node_ids()
             if all(i is not None for i in ids):
-                return ids
+                return [i for i in ids if i is not None]
             for name, p in zip(self.names, self._procs):
                 code = p.poll()
                 if code is not None:
