@@ -283,3 +283,18 @@ def test_importing_adag_with_adag_join_set_does_not_make_an_agent():
         timeout=60,
     )
     assert p.returncode == 0 and p.stdout.strip() == "127.0.0.1:9", p.stderr
+
+
+def test_init_and_wait_for_nodes_errors(hosts):
+    addr = _listening()
+    with pytest.raises(adag.AdagError, match="already listens"):
+        adag.init(listen="127.0.0.1:0", token="another")
+    with pytest.raises(ValueError, match="shared secret"):
+        adag.cluster.listen("127.0.0.1:0", token="")
+    with pytest.raises(TypeError, match="listen="):
+        adag.init(token="x")
+    assert adag.init() is None  # Ray's plain init: nothing to do
+    t = time.monotonic()
+    with pytest.raises(adag.GetTimeoutError, match=addr.replace(".", r"\.")):
+        adag.wait_for_nodes(50, timeout=0.2)
+    assert time.monotonic() - t < 10
