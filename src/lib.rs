@@ -48,6 +48,20 @@ pub fn init() {
 
 pub use actor::worker::set_worker_command;
 
+/// Run this process as a host's agent when it was started as one (`ADAG_JOIN` and
+/// `ADAG_TOKEN` in its environment, see [`cluster`]): it joins the driver, serves it until the
+/// driver leaves, and returns the process's exit status (0, or
+/// [`cluster::EXIT_JOIN_FAILED`] when it could not join). Returns `None` at once in any other
+/// process.
+///
+/// Executables that link adag need not call it: the start-up hook does, before `main`. It is
+/// for programs that load adag as a library (the Python package's `python -m adag.agent`):
+/// they keep `ADAG_JOIN` out of the environment while the library loads (or its hook would
+/// run the agent inside the loading), set their [`set_worker_command`], and call this.
+pub fn run_agent() -> Option<i32> {
+    cluster::agent::run_agent_from_env(actor::remote::agent_services)
+}
+
 #[doc(hidden)]
 pub mod __private {
     pub use crate::actor::method::{method, method_split};

@@ -24,7 +24,19 @@ out-of-band buffers in shared memory (numpy arrays arrive as views of it). See
 
 from __future__ import annotations
 
+import os as _os
 from typing import Any, List, Optional, Sequence, Union
+
+# The native module's start-up hook would turn this process into a host's agent while it is
+# being loaded when ADAG_JOIN is set: hosts run ``python -m adag.agent``, which enters the
+# agent explicitly, and no Python process becomes one by importing adag.
+_join = _os.environ.pop("ADAG_JOIN", None)
+try:
+    from . import _native  # noqa: F401
+finally:
+    if _join is not None:
+        _os.environ["ADAG_JOIN"] = _join
+del _join
 
 from . import exceptions
 from ._actor import ActorClass, ActorHandle, ActorMethod, ObjectRef, method, remote
@@ -38,6 +50,7 @@ from ._dag import (
     InputNode,
     MultiOutputNode,
 )
+from .cluster import nodes, wait_for_nodes
 from .exceptions import (
     ActorDiedError,
     AdagError,
@@ -45,6 +58,7 @@ from .exceptions import (
     ChannelClosedError,
     CompileError,
     GetTimeoutError,
+    PlacementError,
     TaskError,
     WrongModeError,
 )
@@ -52,21 +66,23 @@ from .exceptions import (
 _Ref = Union[CompiledDAGRef, ObjectRef, CompiledDAGFuture]
 
 
-def get(refs: Union[_Ref, Sequence[_Ref]], timeout: Optional[float] = None) -> Any:
-    """The value of a ref, or the values of a list of refs, in order (Ray's ``ray.get``).
-
-    ``timeout`` is in seconds for each ref (``None``: the graph's default for compiled-graph
-    refs, for ever for one-off calls). Raises :class:`TaskError` (also an instance of the
-    method's own exception type) when a method failed, :class:`GetTimeoutError` on timeout
-    (the ref stays valid), :class:`ActorDiedError` when an actor died.
-    """
-    if type(refs) is CompiledDAGRef:
-        return refs.get(timeout)
+def _get(refs: Union[_Ref, Sequence[_Ref]], timeout: Optional[float] = None) -> Any:
+    """:func:`get` of anything but one ``CompiledDAGRef`` (which the native ``get`` takes
+    itself, without this frame)."""
     if isinstance(refs, (list, tuple)):
         return [get(r, timeout) for r in refs]
     if isinstance(refs, (CompiledDAGRef, ObjectRef, CompiledDAGFuture)):
         return refs.get(timeout)
     raise TypeError(f"adag.get takes refs, or a list of refs, not {type(refs).__name__}")
+
+
+#: ``adag.get(refs, timeout=None)``: the value of a ref, or the values of a list of refs, in
+#: order (Ray's ``ray.get``); ``timeout`` in seconds for each ref (``None``: the graph's
+#: default for compiled-graph refs, for ever for one-off calls). Raises :class:`TaskError`
+#: (also an instance of the method's own exception type) when a method failed,
+#: :class:`GetTimeoutError` on timeout (the ref stays valid), :class:`ActorDiedError` when
+#: an actor died. Native: one ref costs no Python frame (the rest goes through ``_get``).
+get = _native.get
 
 
 def kill(actor: ActorHandle) -> None:
@@ -93,22 +109,50 @@ __all__ = [
     "InputNode",
     "MultiOutputNode",
     "ObjectRef",
+    "PlacementError",
     "TaskError",
     "WrongModeError",
     "exceptions",
     "get",
     "kill",
     "method",
+    "nodes",
     "remote",
+    "wait_for_nodes",
 ]
 
 
 __version__ = "0.1.0"
 
 
-def init(**_options: Any) -> None:
-    """Ray's ``ray.init``: accepted so that programs port unchanged. adag needs no cluster:
-    actors are worker processes of this interpreter, started by ``.remote()``."""
+def init(
+    address: Optional[str] = None,
+    *,
+    listen: Optional[str] = None,
+    token: Optional[str] = None,
+    heartbeat_timeout: Optional[float] = None,
+    **_ray_options: Any,
+) -> Optional[str]:
+    """Ray's ``ray.init``. Without ``listen=`` it does nothing (accepted so that programs
+    port unchanged: actors are worker processes of this interpreter, started by
+    ``.remote()``); ``address`` and Ray's other options are accepted and ignored.
+
+    ``listen="ip:port"`` makes this driver listen for other hosts (port 0: any free one;
+    loopback only reaches this machine, ``0.0.0.0`` every interface), with the shared secret
+    ``token`` (default: ``ADAG_TOKEN``); returns the address hosts join with
+    ``ADAG_JOIN=<address> ADAG_TOKEN=<secret> python -m adag.agent``. Then
+    :func:`wait_for_nodes`, :func:`nodes`, and ``.options(scheduling_strategy=
+    NodeAffinitySchedulingStrategy(node_id=...))`` to place actors there
+    (:mod:`adag.cluster`). ``heartbeat_timeout``: seconds of silence after which a host is
+    lost (default 5).
+    """
+    if listen is None:
+        if token is not None or heartbeat_timeout is not None:
+            raise TypeError("token= and heartbeat_timeout= go with listen=\"ip:port\"")
+        return None
+    from . import cluster
+
+    return cluster.listen(listen, token, heartbeat_timeout)
 
 
 def shutdown() -> None:

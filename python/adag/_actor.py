@@ -20,8 +20,8 @@ _worker_command_set = False
 _numbers = itertools.count(1)
 _lock = threading.Lock()
 
-# `.options(...)` keywords of Ray's that mean nothing on one host: accepted, so that a Ray
-# program ports unchanged.
+# `.options(...)` keywords of Ray's that adag does not use: accepted, so that a Ray program
+# ports unchanged (`scheduling_strategy` places the actor, see `cluster.placement`).
 _RAY_OPTIONS = {
     "num_cpus",
     "num_gpus",
@@ -132,11 +132,19 @@ class ActorHandle:
         return ActorMethod(self, name)
 
     def __repr__(self) -> str:
-        return f"ActorHandle({self._class_name}, {self._native.name}, pid={self._native.pid})"
+        return (
+            f"ActorHandle({self._class_name}, {self._native.name}, "
+            f"node={self._native.host}, pid={self._native.pid})"
+        )
 
     @property
     def _actor_name(self) -> str:
         return self._native.name
+
+    @property
+    def _node_id(self) -> str:
+        """The ``NodeID`` of the host the actor runs on (``"0"``: the driver's)."""
+        return str(self._native.host)
 
     @property
     def _pid(self) -> Optional[int]:
@@ -174,10 +182,15 @@ class ActorClass(Generic[T]):
         self.__module__ = cls.__module__
 
     def options(self, **options: Any) -> "ActorClass[T]":
-        """The same class with other options: ``name=`` names the actor (errors and
-        pictures show it); Ray's placement options (``num_cpus``, ``num_gpus``,
-        ``scheduling_strategy``, ...) are accepted: every actor is a process of this host."""
-        unknown = set(options) - _RAY_OPTIONS - {"name"}
+        """The same class with other options.
+
+        ``name=`` names the actor (errors and pictures show it). Where it runs:
+        ``scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=..., soft=...)``
+        (:mod:`adag.util.scheduling_strategies`; ``"SPREAD"``: the live hosts in turn,
+        ``"DEFAULT"``: the driver's host) or adag's ``host=<NodeID or id>``; by default the
+        driver's host. Ray's other options (``num_cpus``, ``num_gpus``, ``resources``, ...)
+        are accepted and ignored; an unknown option is a ``TypeError``."""
+        unknown = set(options) - _RAY_OPTIONS - {"name", "host"}
         if unknown:
             raise TypeError(f"unknown actor options: {', '.join(sorted(unknown))}")
         merged = dict(self._options)
@@ -185,18 +198,23 @@ class ActorClass(Generic[T]):
         return ActorClass(self._cls, merged)
 
     def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
-        """Start the actor: ``cls(*args, **kwargs)`` in a new worker process. Raises
-        :class:`~adag.exceptions.ActorDiedError` if the constructor fails."""
+        """Start the actor: ``cls(*args, **kwargs)`` in a new worker process, on the host
+        its options name. Raises :class:`~adag.exceptions.ActorDiedError` if the
+        constructor fails (or the host is lost meanwhile), and
+        :class:`~adag.exceptions.PlacementError` if the host it is placed on is not live."""
+        from . import cluster
         from ._dag import _dumps_code
 
         _ensure_worker_command()
         name = self._options.get("name") or f"{self._cls.__name__}#{next(_numbers)}"
+        host = cluster.placement(name, self._options)
         native = _native.spawn(
             _dumps_code(self._cls),
             tuple(args),
             dict(kwargs),
             [p for p in sys.path if isinstance(p, str)],
             name,
+            host,
         )
         return ActorHandle(native, self._cls.__name__)
 

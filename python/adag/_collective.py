@@ -5,7 +5,12 @@ Each participant's step is a node on its own actor that reads every participant'
 through the graph's channels (shared memory between processes) and computes the result
 itself; values are numpy arrays, torch CPU tensors, or anything with the arithmetic the
 operation needs. There is no GPU communicator for Python values: this is the CPU path of
-Ray's semantics, with n² transfers (at most 7 participants).
+Ray's semantics, with n² transfers.
+
+A node takes at most 7 node arguments (the native actor's ``call0`` .. ``call7``): with more
+than 7 participants, each participant's step reads them through *packs*, nodes on its own
+actor that each gather up to 7 inputs (nested as deep as needed), so any number of
+participants works (one in-actor hop per level of packs).
 """
 
 from __future__ import annotations
@@ -50,18 +55,44 @@ def _reduce(values: Sequence[Any], op: str) -> Any:
     return functools.reduce(lambda a, b: _elementwise(op, a, b), values)
 
 
+#: The most node arguments one bound call takes (`MAX_NODE_ARGS` of the native actor).
+_MAX_NODE_ARGS = 7
+
+
+class _Pack(tuple):
+    """Inputs of a collective gathered by a pack node (see the module doc)."""
+
+    __slots__ = ()
+
+
+def _flat(values: Sequence[Any]) -> List[Any]:
+    """The participants' inputs in rank order, packs opened."""
+    out: List[Any] = []
+    for v in values:
+        if type(v) is _Pack:
+            out.extend(_flat(v))
+        else:
+            out.append(v)
+    return out
+
+
 # The steps, run in the workers (looked up by name by the native actor).
 
 
+def pack(*values: Any) -> _Pack:
+    return _Pack(values)
+
+
 def allreduce(*values: Any, op: str = "sum") -> Any:
-    return _reduce(values, op)
+    return _reduce(_flat(values), op)
 
 
 def allgather(*values: Any) -> List[Any]:
-    return list(values)
+    return _flat(values)
 
 
 def reducescatter(*values: Any, op: str = "sum", rank: int = 0) -> Any:
+    values = _flat(values)
     total = _reduce(values, op)
     n = len(values)
     try:
@@ -89,8 +120,6 @@ class _Collective:
         nodes = list(inputs)
         if not nodes:
             raise ValueError(f"{self._name}.bind() needs at least one input node")
-        if len(nodes) > 7:
-            raise ValueError(f"{self._name}.bind() takes at most 7 participants in adag's Python API")
         actors = []
         for n in nodes:
             if not isinstance(n, ClassMethodNode):
@@ -105,8 +134,23 @@ class _Collective:
                 kwargs["op"] = ReduceOp(op).value
             if self._name == "reducescatter":
                 kwargs["rank"] = rank
-            out.append(ClassMethodNode(n._actor, _PREFIX + self._name, tuple(nodes), kwargs))
+            args = _packed(n._actor, nodes)
+            out.append(ClassMethodNode(n._actor, _PREFIX + self._name, tuple(args), kwargs))
         return out
+
+
+def _packed(actor: Any, nodes: Sequence[Any]) -> List[Any]:
+    """Node arguments for a step on ``actor`` that carry every node of ``nodes``: the nodes
+    themselves when there are at most 7, else pack nodes on ``actor`` (nested as needed)."""
+    from ._dag import ClassMethodNode
+
+    level = list(nodes)
+    while len(level) > _MAX_NODE_ARGS:
+        level = [
+            ClassMethodNode(actor, _PREFIX + "pack", tuple(level[i : i + _MAX_NODE_ARGS]), {})
+            for i in range(0, len(level), _MAX_NODE_ARGS)
+        ]
+    return level
 
 
 allreduce_node = _Collective("allreduce")

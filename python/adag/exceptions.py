@@ -12,6 +12,8 @@ adag                                   Ray
 :class:`WrongModeError`                the ``ValueError`` of calling ``execute`` on an
                                        ``enable_asyncio`` graph (and the reverse)
 :class:`CompileError`                  the ``ValueError`` of an invalid graph or option
+:class:`PlacementError`                an actor's placement names no live host (Ray's
+                                       actor would stay pending)
 =====================================  ===============================================
 """
 
@@ -86,6 +88,12 @@ class CompileError(AdagError, ValueError):
     """The graph or a compile option is not valid; nothing was compiled."""
 
 
+class PlacementError(AdagError, ValueError):
+    """An actor is placed (``.options(host=...)`` or a ``NodeAffinitySchedulingStrategy``
+    with ``soft=False``) on a host that is not live; nothing was started. The message names
+    the actor, the host and the live hosts."""
+
+
 __all__ = [
     "AdagError",
     "TaskError",
@@ -95,4 +103,5 @@ __all__ = [
     "ChannelClosedError",
     "WrongModeError",
     "CompileError",
+    "PlacementError",
 ]

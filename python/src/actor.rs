@@ -10,6 +10,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 
 /// How a Python actor is built in its worker.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -23,17 +24,40 @@ pub struct PyInit {
     pub sys_path: Vec<String>,
 }
 
-/// One bound method call: the constant part of a node.
+/// The key of a one-off call (`actor.method.remote(...)`): prepared for that call only, not
+/// cached (a long-lived actor serves any number of them).
+pub const ONE_OFF: u64 = 0;
+
+/// One bound method call: the constant part of a node. A node's constant arguments are
+/// cloned for every call, so the body is shared (one reference count, no copy).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct CallSpec {
-    /// Unique per bound node: the worker caches the looked-up method and arguments under it.
+    /// Unique per bound node: the worker caches the looked-up method and arguments under it
+    /// ([`ONE_OFF`] for a one-off call).
     pub key: u64,
+    /// The method and its arguments.
+    pub body: Arc<CallBody>,
+}
+
+/// What a [`CallSpec`] calls.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct CallBody {
     /// The Python method's name.
     pub method: String,
     /// The arguments as a pickled template (see `adag/_dag.py`, `_template`): the constant
     /// arguments, and where each node argument goes.
     #[serde(with = "serde_bytes")]
     pub template: Vec<u8>,
+}
+
+impl CallSpec {
+    /// A call of `method` with the pickled `template`, under a key of its own.
+    pub fn new(key: u64, method: String, template: Vec<u8>) -> CallSpec {
+        CallSpec {
+            key,
+            body: Arc::new(CallBody { method, template }),
+        }
+    }
 }
 
 /// A Python exception raised by a method, as it travels to the driver: its text, and (as its
@@ -121,6 +145,9 @@ struct Bound_ {
     arg_slots: Vec<(usize, usize)>,
     kwargs: Option<Py<PyDict>>,
     kw_slots: Vec<(String, usize)>,
+    /// The arguments are exactly the node arguments, in order (`method(a, b)` of nodes `a`,
+    /// `b`): the call is made straight from the values.
+    plain: bool,
 }
 
 /// A Python actor: an instance of the user's class in this worker process.
@@ -139,10 +166,10 @@ fn spawn_error(py: Python<'_>, e: PyErr) -> String {
 }
 
 impl PyActor {
-    fn call(&mut self, spec: CallSpec, values: Vec<PyValue>) -> Result<PyValue, PyFailure> {
+    fn call(&mut self, spec: CallSpec, values: &[PyValue]) -> Result<PyValue, PyFailure> {
         Python::with_gil(|py| {
             self.call_in(py, &spec, values)
-                .map_err(|e| PyFailure::of(py, e, &spec.method))
+                .map_err(|e| PyFailure::of(py, e, &spec.body.method))
         })
     }
 
@@ -150,13 +177,35 @@ impl PyActor {
         &mut self,
         py: Python<'_>,
         spec: &CallSpec,
-        values: Vec<PyValue>,
+        values: &[PyValue],
     ) -> PyResult<PyValue> {
-        if !self.calls.contains_key(&spec.key) {
-            let bound = self.prepare(py, spec)?;
-            self.calls.insert(spec.key, bound);
+        let once;
+        let b = if spec.key == ONE_OFF {
+            once = prepare(&self.instance, py, spec)?;
+            &once
+        } else {
+            match self.calls.entry(spec.key) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(prepare(&self.instance, py, spec)?)
+                }
+            }
+        };
+        let method = b.method.bind(py);
+        if b.plain {
+            let out = match values {
+                [] => method.call0()?,
+                [a] => method.call1((loads(py, a)?,))?,
+                _ => {
+                    let args = values
+                        .iter()
+                        .map(|v| loads(py, v))
+                        .collect::<PyResult<Vec<_>>>()?;
+                    method.call1(PyTuple::new(py, args)?)?
+                }
+            };
+            return dumps(py, &out);
         }
-        let b = &self.calls[&spec.key];
         let mut args: Vec<PyObject> = b.args.iter().map(|a| a.clone_ref(py)).collect();
         let mut values: Vec<Option<PyObject>> = values
             .iter()
@@ -176,30 +225,40 @@ impl PyActor {
                 Some(k)
             }
         };
-        let out = b.method.bind(py).call(args, kwargs.as_ref())?;
+        let out = method.call(args, kwargs.as_ref())?;
         dumps(py, &out)
     }
+}
 
-    fn prepare(&self, py: Python<'_>, spec: &CallSpec) -> PyResult<Bound_> {
-        // Collectives run a function of `adag._collective` on the actor (see that module).
-        let method = match spec.method.strip_prefix(COLLECTIVE_PREFIX) {
-            Some(f) => py.import("adag._collective")?.getattr(f)?,
-            None => self.instance.bind(py).getattr(spec.method.as_str())?,
-        };
-        let t = py
-            .import("pickle")?
-            .getattr("loads")?
-            .call1((pyo3::types::PyBytes::new(py, &spec.template),))?;
-        // (args, arg_slots, kwargs or None, kw_slots): see adag/_dag.py.
-        let (args, arg_slots, kwargs, kw_slots): Template<'_> = t.extract()?;
-        Ok(Bound_ {
-            method: method.unbind(),
-            args: args.iter().map(Bound::unbind).collect(),
-            arg_slots,
-            kwargs: kwargs.map(Bound::unbind),
-            kw_slots,
-        })
-    }
+fn prepare(instance: &PyObject, py: Python<'_>, spec: &CallSpec) -> PyResult<Bound_> {
+    // Collectives run a function of `adag._collective` on the actor (see that module).
+    let name = spec.body.method.as_str();
+    let method = match name.strip_prefix(COLLECTIVE_PREFIX) {
+        Some(f) => py.import("adag._collective")?.getattr(f)?,
+        None => instance.bind(py).getattr(name)?,
+    };
+    let t = py
+        .import("pickle")?
+        .getattr("loads")?
+        .call1((pyo3::types::PyBytes::new(py, &spec.body.template),))?;
+    // (args, arg_slots, kwargs or None, kw_slots): see adag/_dag.py.
+    let (args, arg_slots, kwargs, kw_slots): Template<'_> = t.extract()?;
+    let args: Vec<PyObject> = args.iter().map(Bound::unbind).collect();
+    let plain = kwargs.is_none()
+        && kw_slots.is_empty()
+        && arg_slots.len() == args.len()
+        && arg_slots
+            .iter()
+            .enumerate()
+            .all(|(i, &(pos, n))| pos == i && n == i);
+    Ok(Bound_ {
+        method: method.unbind(),
+        args,
+        arg_slots,
+        kwargs: kwargs.map(Bound::unbind),
+        kw_slots,
+        plain,
+    })
 }
 
 /// Give the actor's thread a Python thread state for good, so that each call's
@@ -257,17 +316,17 @@ impl PyActor {
 
     /// A method with no node argument.
     pub fn call0(&mut self, spec: CallSpec) -> Result<PyValue, PyFailure> {
-        self.call(spec, vec![])
+        self.call(spec, &[])
     }
 
     /// A method with one node argument.
     pub fn call1(&mut self, spec: CallSpec, a: PyValue) -> Result<PyValue, PyFailure> {
-        self.call(spec, vec![a])
+        self.call(spec, &[a])
     }
 
     /// A method with two node arguments.
     pub fn call2(&mut self, spec: CallSpec, a: PyValue, b: PyValue) -> Result<PyValue, PyFailure> {
-        self.call(spec, vec![a, b])
+        self.call(spec, &[a, b])
     }
 
     /// A method with three node arguments.
@@ -278,7 +337,7 @@ impl PyActor {
         b: PyValue,
         c: PyValue,
     ) -> Result<PyValue, PyFailure> {
-        self.call(spec, vec![a, b, c])
+        self.call(spec, &[a, b, c])
     }
 
     /// A method with four node arguments.
@@ -290,7 +349,7 @@ impl PyActor {
         c: PyValue,
         d: PyValue,
     ) -> Result<PyValue, PyFailure> {
-        self.call(spec, vec![a, b, c, d])
+        self.call(spec, &[a, b, c, d])
     }
 
     /// A method with five node arguments.
@@ -303,7 +362,7 @@ impl PyActor {
         d: PyValue,
         e: PyValue,
     ) -> Result<PyValue, PyFailure> {
-        self.call(spec, vec![a, b, c, d, e])
+        self.call(spec, &[a, b, c, d, e])
     }
 
     /// A method with six node arguments.
@@ -318,7 +377,7 @@ impl PyActor {
         e: PyValue,
         f: PyValue,
     ) -> Result<PyValue, PyFailure> {
-        self.call(spec, vec![a, b, c, d, e, f])
+        self.call(spec, &[a, b, c, d, e, f])
     }
 
     /// A method with seven node arguments.
@@ -334,7 +393,7 @@ impl PyActor {
         f: PyValue,
         g: PyValue,
     ) -> Result<PyValue, PyFailure> {
-        self.call(spec, vec![a, b, c, d, e, f, g])
+        self.call(spec, &[a, b, c, d, e, f, g])
     }
 }
 

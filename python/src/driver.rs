@@ -100,6 +100,8 @@ fn secs(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
 #[pyclass(module = "adag._native", frozen)]
 pub struct NativeActor {
     handle: ActorHandle<PyActor>,
+    /// The host it runs on (0: the driver's).
+    host: u64,
 }
 
 #[pymethods]
@@ -110,10 +112,16 @@ impl NativeActor {
         self.handle.name().to_string()
     }
 
-    /// The worker's process id.
+    /// The worker's process id (on its host).
     #[getter]
     fn pid(&self) -> Option<u32> {
         self.handle.pid()
+    }
+
+    /// The id of the host the worker runs on (0: the driver's).
+    #[getter]
+    fn host(&self) -> u64 {
+        self.host
     }
 
     /// Kill the worker process (SIGKILL); its graph, if any, is torn down.
@@ -125,11 +133,7 @@ impl NativeActor {
     /// A one-off call: `method(*args, **kwargs)` in the worker, all arguments constants
     /// (a pickled template with no node argument).
     fn call(&self, py: Python<'_>, method: String, template: Vec<u8>) -> PyResult<PyObject> {
-        let spec = CallSpec {
-            key: fresh_key(),
-            method,
-            template,
-        };
+        let spec = CallSpec::new(crate::actor::ONE_OFF, method, template);
         let r = py.allow_threads(|| self.handle.call().call0(spec));
         let v = r.map_err(|e| to_py_err(py, e))?;
         loads(py, &v)
@@ -138,14 +142,16 @@ impl NativeActor {
 
 fn fresh_key() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
+    // From 1: 0 is `ONE_OFF`.
     static NEXT: AtomicU64 = AtomicU64::new(1);
     // Keys of one driver; a worker serves one driver.
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// Spawn a Python actor in a worker process of its own.
+/// Spawn a Python actor in a worker process of its own, on host `host` (0 or `None`: the
+/// driver's).
 #[pyfunction]
-#[pyo3(signature = (class_bytes, args, kwargs, sys_path, name=None))]
+#[pyo3(signature = (class_bytes, args, kwargs, sys_path, name=None, host=None))]
 pub fn spawn(
     py: Python<'_>,
     class_bytes: Vec<u8>,
@@ -153,6 +159,7 @@ pub fn spawn(
     kwargs: Bound<'_, PyDict>,
     sys_path: Vec<String>,
     name: Option<String>,
+    host: Option<u64>,
 ) -> PyResult<NativeActor> {
     let init = PyInit {
         class: class_bytes,
@@ -167,10 +174,79 @@ pub fn spawn(
     if let Some(n) = name {
         options = options.name(n);
     }
+    let host = host.unwrap_or(0);
+    let placement = if host == 0 {
+        Placement::Process
+    } else {
+        Placement::Host(host)
+    };
     let handle = py
-        .allow_threads(|| rt.spawn_with::<PyActor>(Placement::Process, options, init))
+        .allow_threads(|| rt.spawn_with::<PyActor>(placement, options, init))
         .map_err(|e| to_py_err(py, e))?;
-    Ok(NativeActor { handle })
+    Ok(NativeActor { handle, host })
+}
+
+/// A joined host as Python sees it: `(id, name, address, cores, agent pid)`.
+type HostTuple = (u64, String, String, usize, u32);
+
+fn host_tuple(h: &adag::cluster::HostInfo) -> HostTuple {
+    (h.id, h.name.clone(), h.address.to_string(), h.cores, h.pid)
+}
+
+/// Listen for hosts joining this driver on `addr` (`ip:port`; port 0: any free one) with
+/// the shared secret `token`; returns the address they join (`ADAG_JOIN`).
+#[pyfunction]
+#[pyo3(signature = (addr, token, heartbeat_timeout=None))]
+pub fn listen(
+    py: Python<'_>,
+    addr: &str,
+    token: String,
+    heartbeat_timeout: Option<f64>,
+) -> PyResult<String> {
+    let addr: std::net::SocketAddr = addr.parse().map_err(|e| {
+        PyValueError::new_err(format!(
+            "listen={addr:?} is not an ip:port address ({e}); e.g. \"127.0.0.1:0\" or \"0.0.0.0:7070\""
+        ))
+    })?;
+    if token.is_empty() {
+        return Err(PyValueError::new_err(
+            "the shared secret (token=, or ADAG_TOKEN) must not be empty",
+        ));
+    }
+    let mut options = adag::cluster::ClusterOptions::new(token).addr(addr);
+    if let Some(t) = secs("heartbeat_timeout", heartbeat_timeout)? {
+        if t == Duration::MAX {
+            return Err(PyValueError::new_err(
+                "heartbeat_timeout must be a positive number of seconds",
+            ));
+        }
+        options = options.heartbeat_timeout(t);
+    }
+    let rt = runtime()?;
+    let bound = py
+        .allow_threads(|| rt.listen(options))
+        .map_err(|e| to_py_err(py, e))?;
+    Ok(bound.to_string())
+}
+
+/// The hosts that joined and are alive, in joining order.
+#[pyfunction]
+pub fn hosts() -> PyResult<Vec<HostTuple>> {
+    Ok(runtime()?.hosts().iter().map(host_tuple).collect())
+}
+
+/// Wait until `n` hosts have joined, up to `timeout` seconds; the hosts.
+#[pyfunction]
+pub fn wait_for_hosts(py: Python<'_>, n: usize, timeout: f64) -> PyResult<Vec<HostTuple>> {
+    // For ever is a long time (an `Instant` cannot be `Duration::MAX` away).
+    let t = secs("timeout", Some(timeout))?
+        .unwrap_or(Duration::MAX)
+        .min(Duration::from_secs(100 * 365 * 86_400));
+    let rt = runtime()?;
+    let got = py
+        .allow_threads(|| rt.wait_for_hosts(n, t))
+        .map_err(|e| to_py_err(py, e))?;
+    Ok(got.iter().map(host_tuple).collect())
 }
 
 /// Which part of `execute(*args, **kwargs)` an input part is.
@@ -262,11 +338,11 @@ impl NativeGraph {
                     args.len()
                 )));
             }
-            let mut erased = vec![ErasedArg::constant(CallSpec {
-                key: fresh_key(),
-                method: method.clone(),
+            let mut erased = vec![ErasedArg::constant(CallSpec::new(
+                fresh_key(),
+                method.clone(),
                 template,
-            })];
+            ))];
             for a in args {
                 let n = if a >= 0 {
                     built.get(a as usize)
@@ -321,7 +397,7 @@ impl NativeGraph {
         let input = self.input(py, &args, kwargs.as_ref())?;
         let refs = py
             .allow_threads(|| g.execute(input))
-            .map_err(|e| to_py_err(py, e))?;
+            .map_err(|e| to_py_err(py, submit_error(e)))?;
         self.wrap(py, refs)
     }
 
@@ -337,19 +413,21 @@ impl NativeGraph {
     ) -> PyResult<Option<PyObject>> {
         let g = self.live(py)?;
         let input = self.input(py, &args, kwargs.as_ref())?;
-        // Polled once: `execute_async` is ready at once when there is room, and dropping it
-        // pending submits nothing (it is cancel-safe).
+        // Polled once: `execute_async` is ready at once when there is room (or no room will
+        // come without a result being claimed), and dropping it pending submits nothing (it
+        // is cancel-safe).
         match py.allow_threads(|| poll_once(g.execute_async(input))) {
             None => Ok(None),
             Some(r) => {
-                let refs = r.map_err(|e| to_py_err(py, e))?;
+                let refs = r.map_err(|e| to_py_err(py, submit_error(e)))?;
                 self.wrap(py, refs).map(Some)
             }
         }
     }
 
     /// Submit one execution of an `enable_asyncio` graph, waiting (up to the submit timeout)
-    /// for room; called from a thread of the asyncio executor. One ref, or a list of refs.
+    /// for the room that the results of dropped futures free once they arrive; called from a
+    /// thread of the asyncio executor. One ref, or a list of refs.
     #[pyo3(signature = (*args, **kwargs))]
     fn submit_async(
         &self,
@@ -359,9 +437,26 @@ impl NativeGraph {
     ) -> PyResult<PyObject> {
         let g = self.live(py)?;
         let input = self.input(py, &args, kwargs.as_ref())?;
+        let timeout = g.options().submit_timeout;
+        let started = std::time::Instant::now();
         let refs = py
             .allow_threads(|| pollster::block_on(g.execute_async(input)))
-            .map_err(|e| to_py_err(py, e))?;
+            .map_err(|e| {
+                // Full still after waiting the whole submit timeout: that wait timed out.
+                let e = match e {
+                    Error::CapacityExceeded { limit, .. } if started.elapsed() >= timeout => {
+                        Error::Timeout {
+                            what: format!(
+                                "room to submit an execution (all {limit} executions in flight, experimental_compile(_max_inflight_executions=...), were still running)"
+                            ),
+                            timeout,
+                            hint: String::new(),
+                        }
+                    }
+                    e => e,
+                };
+                to_py_err(py, submit_error(e))
+            })?;
         self.wrap(py, refs)
     }
 
@@ -452,6 +547,25 @@ impl NativeGraph {
     }
 }
 
+/// An error of submitting an execution: every wait of a submission is bounded by the submit
+/// timeout (room in the input channels, an earlier execution whose refs were dropped and whose
+/// result must be read first, room among the executions in flight), so a timeout there names
+/// that option, whatever the wait was.
+fn submit_error(e: Error) -> Error {
+    match e {
+        Error::Timeout { what, timeout, .. } => Error::Timeout {
+            what: if what.contains("submit") {
+                what
+            } else {
+                format!("{what} while submitting an execution")
+            },
+            timeout,
+            hint: "raise experimental_compile(_submit_timeout=...) if executions are expected to take that long, or get results before submitting more (experimental_compile(_max_inflight_executions=...) bounds how many are in flight)".into(),
+        },
+        e => e,
+    }
+}
+
 /// Poll a future once (a waker that does nothing): its output if it is ready at once.
 fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
@@ -459,6 +573,26 @@ fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
         std::task::Poll::Ready(v) => Some(v),
         std::task::Poll::Pending => None,
     }
+}
+
+/// The value of a ref, or the values of a list of refs, in order (Ray's `ray.get`).
+///
+/// `timeout` is in seconds for each ref (`None`: the graph's default for compiled-graph refs,
+/// for ever for one-off calls). Raises `TaskError` (also an instance of the method's own
+/// exception type) when a method failed, `GetTimeoutError` on timeout (the ref stays valid),
+/// `ActorDiedError` when an actor died.
+#[pyfunction]
+#[pyo3(signature = (refs, timeout=None))]
+pub fn get(py: Python<'_>, refs: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<PyObject> {
+    // The hot path, one compiled-graph ref, without a Python frame; the rest in Python.
+    if let Ok(r) = refs.downcast_exact::<CompiledDAGRef>() {
+        return r.get().get(py, timeout);
+    }
+    static SLOW: pyo3::sync::GILOnceCell<PyObject> = pyo3::sync::GILOnceCell::new();
+    SLOW.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("adag")?.getattr("_get")?.unbind())
+    })?
+    .call1(py, (refs, timeout))
 }
 
 /// The result of one output of one execution (Ray's `CompiledDAGRef`): claim it once with

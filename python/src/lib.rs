@@ -21,6 +21,14 @@ fn _worker_main(py: Python<'_>) {
     py.allow_threads(adag::init);
 }
 
+/// Run this process as a host's agent (`ADAG_JOIN`, `ADAG_TOKEN` in its environment) until
+/// the driver leaves; its exit status, or `None` when the environment does not say to join.
+/// The GIL is released throughout.
+#[pyfunction]
+fn _run_agent(py: Python<'_>) -> Option<i32> {
+    py.allow_threads(adag::run_agent)
+}
+
 /// Start worker processes with `program args..` (the driver calls it once, with its own
 /// interpreter).
 #[pyfunction]
@@ -33,7 +41,12 @@ fn _set_worker_command(program: String, args: Vec<String>) {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_worker_main, m)?)?;
     m.add_function(wrap_pyfunction!(_set_worker_command, m)?)?;
+    m.add_function(wrap_pyfunction!(_run_agent, m)?)?;
     m.add_function(wrap_pyfunction!(driver::spawn, m)?)?;
+    m.add_function(wrap_pyfunction!(driver::get, m)?)?;
+    m.add_function(wrap_pyfunction!(driver::listen, m)?)?;
+    m.add_function(wrap_pyfunction!(driver::hosts, m)?)?;
+    m.add_function(wrap_pyfunction!(driver::wait_for_hosts, m)?)?;
     m.add_class::<driver::NativeActor>()?;
     m.add_class::<driver::NativeGraph>()?;
     m.add_class::<driver::CompiledDAGRef>()?;

@@ -53,3 +53,18 @@ class Echo:
 class Broken:
     def __init__(self):
         raise RuntimeError("constructor says no")
+
+
+def host_name():
+    """The host an actor runs on, as its agent was named (``None`` on the driver's host)."""
+    return os.environ.get("ADAG_HOST_NAME")
+
+
+class Where(Echo):
+    """An `Echo` that tells where it runs."""
+
+    def where(self, x=None):
+        return host_name(), os.getpid(), x
+
+    def step(self, x):
+        return x + self.offset

@@ -122,3 +122,35 @@ def test_await_with_a_timeout_then_again():
             compiled.teardown()
 
     asyncio.run(main())
+
+
+def test_async_submit_timeout_names_the_option():
+    import gc
+    import time
+
+    a = EchoActor.remote()
+
+    async def main():
+        with InputNode() as inp:
+            dag = a.sleep.bind(inp, "done")
+        compiled = dag.experimental_compile(
+            enable_asyncio=True, _max_inflight_executions=1, _submit_timeout=0.2
+        )
+        try:
+            # A dropped future's execution runs for 1 s: a submission waits for the room its
+            # result frees, up to _submit_timeout.
+            dropped = await compiled.execute_async(1.0)
+            del dropped
+            gc.collect()
+            t = time.monotonic()
+            with pytest.raises(adag.GetTimeoutError, match=r"_submit_timeout=") as info:
+                await compiled.execute_async(0)
+            assert 0.15 < time.monotonic() - t < 1.5
+            assert isinstance(info.value, TimeoutError)
+            # Nothing was submitted; with room again, the graph goes on.
+            await asyncio.sleep(1.0)
+            assert await asyncio.wait_for(await compiled.execute_async(0), 30) == "done"
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())

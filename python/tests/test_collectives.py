@@ -52,9 +52,53 @@ def test_allgather_and_reducescatter(workers):
         compiled.teardown()
 
 
+@pytest.mark.timeout(180)
+def test_more_than_seven_participants():
+    """A node takes at most 7 node arguments: 9 participants read each other through packs."""
+    many = [EchoActor.remote() for _ in range(9)]
+    with InputNode() as inp:
+        parts = [w.scale.bind(inp, k=i + 1) for i, w in enumerate(many)]
+        dag = MultiOutputNode(
+            allreduce.bind(parts) + allgather.bind(parts)[:1] + reducescatter.bind(parts)
+        )
+    compiled = dag.experimental_compile()
+    try:
+        x = np.arange(18, dtype=np.float32)
+        out = adag.get(compiled.execute(x), timeout=60)
+        total = x * sum(range(1, 10))
+        for r in out[:9]:
+            np.testing.assert_array_equal(r, total)
+        assert [float(v[1]) for v in out[9]] == [float(k) for k in range(1, 10)]
+        np.testing.assert_array_equal(np.concatenate(out[10:]), total)
+        assert [len(s) for s in out[10:]] == [2] * 9
+    finally:
+        compiled.teardown()
+
+
 def test_collective_inputs_must_be_distinct_actors(workers):
     with InputNode() as inp:
         a = workers[0].echo.bind(inp)
         b = workers[0].echo.bind(inp)
         with pytest.raises(ValueError, match="distinct actor"):
             allreduce.bind([a, b])
+
+
+def test_packs_nest_for_any_number_of_participants():
+    """The pack tree itself (no actors): at most 7 node arguments per node at every level,
+    and the step sees every input in rank order."""
+    from adag._collective import _MAX_NODE_ARGS, _Pack, _flat, _packed, pack
+    from adag._dag import ClassMethodNode
+
+    for n in [1, 7, 8, 49, 50, 400]:
+        leaves = [ClassMethodNode(object(), "m", (), {}) for _ in range(n)]
+        top = _packed(object(), leaves)
+        assert len(top) <= _MAX_NODE_ARGS
+
+        def run(node):  # evaluate the tree as the workers would
+            if node._method.endswith(".pack"):
+                assert len(node._args) <= _MAX_NODE_ARGS
+                return pack(*[run(a) for a in node._args])
+            return leaves.index(node)
+
+        assert _flat([run(t) if t not in leaves else leaves.index(t) for t in top]) == list(range(n))
+    assert _flat([_Pack((1, _Pack((2, 3)))), 4]) == [1, 2, 3, 4]

@@ -119,6 +119,30 @@ def test_capacity_exceeded():
         compiled.teardown()
 
 
+def test_submit_timeout_names_the_option():
+    import gc
+
+    a = EchoActor.remote()
+    with InputNode() as inp:
+        dag = a.sleep.bind(inp, "done")
+    compiled = dag.experimental_compile(_max_inflight_executions=1, _submit_timeout=0.2)
+    try:
+        # The only execution in flight runs for 1 s and its ref is gone: the next submission
+        # must read (and discard) its result first, and gives up after _submit_timeout.
+        compiled.execute(1.0)
+        gc.collect()
+        t = time.monotonic()
+        with pytest.raises(adag.GetTimeoutError, match=r"_submit_timeout=") as info:
+            compiled.execute(0)
+        assert 0.15 < time.monotonic() - t < 1.5
+        assert isinstance(info.value, TimeoutError)
+        # Nothing was submitted, and the graph goes on once the slow execution is over.
+        time.sleep(1.0)
+        assert compiled.execute(0).get(timeout=30) == "done"
+    finally:
+        compiled.teardown()
+
+
 def test_ref_is_claimed_once():
     a = EchoActor.remote()
     with InputNode() as inp:

@@ -157,3 +157,32 @@ def test_memoryview_is_read_in_place(pair):
         assert back.tobytes() == ints.tobytes()
     finally:
         compiled.teardown()
+
+
+def test_scalars_and_strings_keep_their_exact_type(pair):
+    """None, bool, int, float and str travel without pickling; their subclasses, big ints
+    and strings without UTF-8 are pickled: every value comes back equal, of its own type."""
+    import enum
+    import math
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    a, b = pair
+    with InputNode() as inp:
+        dag = b.echo.bind(a.echo.bind(inp))
+    compiled = dag.experimental_compile()
+    try:
+        values = [
+            None, True, False, 0, -1, 7, 2**63 - 1, -(2**63), 2**64, -(2**100),
+            0.0, -0.0, 1.5, float("inf"), "", "héllo ✓", "x" * 100_000, "\ud800",
+            Color.RED, 3 + 4j,
+        ]
+        for v in values:
+            out = compiled.execute(v).get(timeout=30)
+            assert type(out) is type(v) and out == v, (v, out)
+        assert math.copysign(1.0, compiled.execute(-0.0).get()) == -1.0
+        assert math.isnan(compiled.execute(float("nan")).get())
+    finally:
+        compiled.teardown()
+

@@ -103,22 +103,28 @@ const CONNECT_PAUSE: Duration = Duration::from_millis(500);
 
 /// If this process was started as a host's agent, run it and exit; otherwise return at once.
 pub(crate) fn maybe_run_agent(make: MakeServices) {
-    let Ok(join) = std::env::var(ENV_JOIN) else {
-        return;
-    };
+    if let Some(code) = run_agent_from_env(make) {
+        std::process::exit(code);
+    }
+}
+
+/// If this process was started as a host's agent (`ADAG_JOIN` is set), run it until the
+/// driver leaves and return the process's exit status (0, or [`EXIT_JOIN_FAILED`]);
+/// otherwise return `None` at once.
+pub(crate) fn run_agent_from_env(make: MakeServices) -> Option<i32> {
+    let join = std::env::var(ENV_JOIN).ok()?;
     // Before `main` would: a write to a vanished driver is an error, not a SIGPIPE.
     // SAFETY: SIG_IGN installs no handler code; the Rust runtime does the same before `main`.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
-    let code = match run(&join, make) {
+    Some(match run(&join, make) {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("adag agent: {e}");
             EXIT_JOIN_FAILED
         }
-    };
-    std::process::exit(code);
+    })
 }
 
 fn host_name() -> String {

@@ -312,6 +312,8 @@ impl ClusterDriver {
     }
 
     fn died(&self, host: u64, actor: u64, reason: &str) {
+        // Named as faults are: which host the actor died on.
+        let reason = format!("on {}: {reason}", self.describe_host(host));
         let callback = {
             let mut state = self.state.lock();
             state
@@ -323,7 +325,6 @@ impl ClusterDriver {
         if let Some(cb) = callback {
             // Not on this host's reader thread: what the callback does (tearing a graph down)
             // sends requests to this host, whose replies that thread must read.
-            let reason = reason.to_string();
             let spawned = std::thread::Builder::new()
                 .name(format!("adag-death-{actor}"))
                 .spawn(move || cb(&reason));
