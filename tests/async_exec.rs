@@ -5,7 +5,7 @@ use adag::{Capacity, CompileOptions, Dag, Error, Placement, Runtime};
 use common::{
     done, each_placement, go, named_worker, process_actors_available, scratch_dir, worker,
 };
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 fn tokio_rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -385,6 +385,55 @@ fn dropped_unawaited_futures_free_their_places_every_round() {
             });
         },
     );
+}
+
+/// A wait for the place that dropped futures free ends, after `submit_timeout`, in a timeout
+/// that names that option (not in `CapacityExceeded`, which means "nothing will free a place
+/// without a claim"); the graph goes on once the slow results arrived.
+#[test]
+fn a_wait_for_room_past_the_submit_timeout_names_it() {
+    each_placement("a_wait_for_room_past_the_submit_timeout_names_it", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 0);
+        let dag = Dag::<u64>::new();
+        let g = dag
+            .compile(
+                a.slow(dag.input(), 300u64),
+                async_opts()
+                    .max_inflight_executions(2)
+                    .submit_timeout(Duration::from_millis(100)),
+            )
+            .unwrap();
+        tokio_rt().block_on(async {
+            for i in 0..2u64 {
+                drop(g.execute_async(i).await.unwrap());
+            }
+            let t = Instant::now();
+            let e = g.execute_async(2).await.map(|_| ()).unwrap_err();
+            let waited = t.elapsed();
+            match &e {
+                Error::Timeout { hint, what, .. } => {
+                    assert!(hint.contains("submit_timeout"), "[{p:?}] {e}");
+                    assert!(what.contains("max_inflight_executions = 2"), "[{p:?}] {e}");
+                }
+                other => panic!("[{p:?}] expected a timeout, got {other:?}"),
+            }
+            assert!(
+                waited >= Duration::from_millis(100),
+                "[{p:?}] gave up after {waited:?}, before the submit timeout"
+            );
+            // The dropped executions finish (≤ 600 ms of work); then there is room again.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let r = loop {
+                match g.execute_async(3).await {
+                    Ok(r) => break r,
+                    Err(Error::Timeout { .. }) if Instant::now() < deadline => {}
+                    Err(e) => panic!("[{p:?}] after the slow results: {e}"),
+                }
+            };
+            assert_eq!(r.await.unwrap(), 3, "[{p:?}]");
+        });
+    });
 }
 
 /// Recovery after a death, async: once an awaited ref resolved to `ActorDied`, the survivors

@@ -730,6 +730,18 @@ impl<I: Value> GraphShared<I> {
         self.in_flight() < self.opts.max_inflight_executions as u64
     }
 
+    /// `execute` waited the whole `submit_timeout` for a place in flight that the results of
+    /// dropped refs were to free, and they had not all arrived.
+    fn submit_timed_out(&self, limit: usize) -> Error {
+        Error::Timeout {
+            what: format!(
+                "a place for one more execution in flight (max_inflight_executions = {limit}), freed as the results of dropped refs arrive"
+            ),
+            timeout: self.opts.submit_timeout,
+            hint: "raise the submit timeout (CompileOptions::submit_timeout; Ray's _submit_timeout) if executions take that long; otherwise a method may be hanging".into(),
+        }
+    }
+
     /// Async mode: whether the pump frees a place by itself (without anybody claiming a
     /// result): the oldest execution in flight is a failed one's leftovers, or one whose refs
     /// were all dropped.
@@ -781,7 +793,13 @@ impl<I: Value> GraphShared<I> {
                         }
                     }
                 } else if self.all_dropped(next) {
-                    self.read_next(&mut rs, deadline, self.opts.submit_timeout, None)?;
+                    // Reading a dropped execution's result is part of this submission: its
+                    // timeout is the submit timeout's.
+                    self.read_next(&mut rs, deadline, self.opts.submit_timeout, None)
+                        .map_err(|e| match e {
+                            Error::Timeout { .. } => self.submit_timed_out(limit as usize),
+                            e => e,
+                        })?;
                 } else {
                     break;
                 }
@@ -1207,10 +1225,11 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
             match self.shared.execute(&input) {
                 Err(Error::CapacityExceeded {
                     capacity: Capacity::InflightExecutions,
-                    ..
-                }) if (self.shared.has_room() || self.shared.pump_frees_room())
-                    && deadline.is_none_or(|d| Instant::now() < d) =>
-                {
+                    limit,
+                }) if self.shared.has_room() || self.shared.pump_frees_room() => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(self.shared.submit_timed_out(limit));
+                    }
                     RoomWait {
                         shared: &self.shared,
                         deadline,
