@@ -58,6 +58,11 @@ pub use actor::worker::set_worker_command;
 /// for programs that load adag as a library (the Python package's `python -m adag.agent`):
 /// they keep `ADAG_JOIN` out of the environment while the library loads (or its hook would
 /// run the agent inside the loading), set their [`set_worker_command`], and call this.
+///
+/// ```
+/// // A process that was not started as an agent (no `ADAG_JOIN`) goes on at once.
+/// assert_eq!(adag::run_agent(), None);
+/// ```
 pub fn run_agent() -> Option<i32> {
     cluster::agent::run_agent_from_env(actor::remote::agent_services)
 }
