@@ -231,33 +231,9 @@ fn check(root: &Path) -> (Vec<Violation>, BTreeMap<String, BTreeSet<String>>) {
         let text = std::fs::read_to_string(&path).expect("read a source file");
         let raw: Vec<&str> = text.lines().collect();
         // `use crate::{...}` groups may span lines: join each `use` item before reading it.
-        let lines = code_lines(&text);
+        let lines = code_outside_tests(&text);
         let mut i = 0;
-        let mut test_attr = false;
         while i < lines.len() {
-            let trimmed = lines[i].trim();
-            if trimmed.starts_with("#[cfg(") && trimmed.contains("test") {
-                test_attr = true;
-                i += 1;
-                continue;
-            }
-            if test_attr && trimmed.contains("mod ") && trimmed.contains('{') {
-                // Skip the test module: up to its closing brace.
-                let mut depth = 0i64;
-                loop {
-                    depth += lines[i].matches('{').count() as i64;
-                    depth -= lines[i].matches('}').count() as i64;
-                    i += 1;
-                    if depth <= 0 || i >= lines.len() {
-                        break;
-                    }
-                }
-                test_attr = false;
-                continue;
-            }
-            if !trimmed.is_empty() && !trimmed.starts_with("#[") {
-                test_attr = false;
-            }
             let start = i;
             let mut code = lines[i].clone();
             if code.trim_start().starts_with("use ")
@@ -310,11 +286,10 @@ fn check(root: &Path) -> (Vec<Violation>, BTreeMap<String, BTreeSet<String>>) {
     (violations, graph)
 }
 
-/// Lines of code outside unit-test modules (`#[cfg(test)] mod ... { ... }`), comments and
-/// strings removed.
+/// Lines of code, comments and strings removed, with the lines of unit-test modules
+/// (`#[cfg(test)] mod ... { ... }`) left empty, so that line numbers stay.
 fn code_outside_tests(text: &str) -> Vec<String> {
-    let lines = code_lines(text);
-    let mut out = Vec::new();
+    let mut lines = code_lines(text);
     let mut i = 0;
     let mut test_attr = false;
     while i < lines.len() {
@@ -325,10 +300,12 @@ fn code_outside_tests(text: &str) -> Vec<String> {
             continue;
         }
         if test_attr && trimmed.contains("mod ") && trimmed.contains('{') {
+            // Blank the test module: up to its closing brace.
             let mut depth = 0i64;
             loop {
                 depth += lines[i].matches('{').count() as i64;
                 depth -= lines[i].matches('}').count() as i64;
+                lines[i].clear();
                 i += 1;
                 if depth <= 0 || i >= lines.len() {
                     break;
@@ -340,10 +317,9 @@ fn code_outside_tests(text: &str) -> Vec<String> {
         if !trimmed.is_empty() && !trimmed.starts_with("#[") {
             test_attr = false;
         }
-        out.push(lines[i].clone());
         i += 1;
     }
-    out
+    lines
 }
 
 /// Inside each folder of `src/`, which file imports which of its siblings (`super::x`, or

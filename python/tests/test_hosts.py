@@ -18,6 +18,7 @@ from adag import InputNode
 from adag.cluster import LocalHosts
 from adag.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors import Where
+from procs import wait_gone
 
 W = adag.remote(Where)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,23 +39,6 @@ def hosts():
     h = LocalHosts(2, names=["py-a", "py-b"])
     yield h
     h.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids, seconds=30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _on(node_id: str, offset: int = 0, soft: bool = False):
@@ -205,7 +189,7 @@ def test_lost_host_fails_the_graph_and_leaves_nothing():
         assert "far" in str(e.value) and "py-lost" in str(e.value), str(e.value)
         compiled.teardown()
         assert node not in [n["NodeID"] for n in adag.nodes()]
-        assert _wait_gone(lone.pids + [worker])
+        assert wait_gone(lone.pids + [worker])
     finally:
         lone.stop()
     assert set(os.listdir("/dev/shm")) <= shm_before
@@ -249,7 +233,7 @@ def test_driver_gone_leaves_no_agent_or_worker(how):
         if how == "killed":
             os.kill(p.pid, signal.SIGKILL)
         assert p.wait(timeout=60) in (0, -signal.SIGKILL)
-        assert _wait_gone(pids), "agents or workers outlived their driver"
+        assert wait_gone(pids), "agents or workers outlived their driver"
     finally:
         if p.poll() is None:
             p.kill()

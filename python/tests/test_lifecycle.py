@@ -11,26 +11,10 @@ import time
 import adag
 from adag import InputNode
 from actors import Echo
+from procs import alive, wait_gone
 
 EchoActor = adag.remote(Echo)
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids, seconds=30.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_gil_is_released_while_waiting():
@@ -87,10 +71,10 @@ def test_killed_driver_leaves_no_worker():
     )
     try:
         pids = [int(x) for x in p.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(x) for x in pids)
+        assert len(pids) == 2 and all(alive(x) for x in pids)
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=30)
-        assert _wait_gone(pids), "worker processes outlived their driver"
+        assert wait_gone(pids), "worker processes outlived their driver"
     finally:
         if p.poll() is None:
             p.kill()
@@ -106,7 +90,7 @@ def test_interpreter_exit_tears_down_and_ends_workers():
     assert p.returncode == 0, p.stderr
     pids = [int(x) for x in p.stdout.split()]
     assert len(pids) == 2
-    assert _wait_gone(pids), "worker processes outlived the interpreter"
+    assert wait_gone(pids), "worker processes outlived the interpreter"
 
 
 def test_dropped_actor_handle_ends_its_worker():
@@ -114,7 +98,7 @@ def test_dropped_actor_handle_ends_its_worker():
 
     a = EchoActor.remote()
     pid = a.pid.remote().get()
-    assert _alive(pid)
+    assert alive(pid)
     del a
     gc.collect()
-    assert _wait_gone([pid])
+    assert wait_gone([pid])
