@@ -3,7 +3,7 @@
 //! different hosts is a real TCP channel on loopback. Every wait is bounded.
 use adag::cluster::{ClusterOptions, HostInfo, LocalHosts};
 use adag::{Buffer, CompileOptions, Dag, Placement, Runtime};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const SECRET: &str = "multi-host-secret-9f2";
 const JOIN_TIMEOUT: Duration = Duration::from_secs(60);
@@ -258,12 +258,175 @@ fn a_lost_host_fails_the_graph_naming_it() {
     assert!(err.contains(&h[1].name) && err.contains(b.name()), "{err}");
     let later = g.execute(3).and_then(|r| r.get_timeout(GET));
     assert!(later.is_err());
+    // Statistics skip the lost host's actor at once rather than wait for it.
+    let started = Instant::now();
+    let s = g.stats();
+    assert!(started.elapsed() < Duration::from_secs(8), "{s:?}");
+    let lost = s.actors.iter().find(|x| x.actor == b.name()).unwrap();
+    assert!(!lost.reported, "{lost:?}");
     let c = on(&rt, &h[0], 7);
     let dag = Dag::<u64>::new();
     let g = dag
         .compile(c.step(a.step(dag.input())), CompileOptions::default())
         .unwrap();
     assert_eq!(g.execute(1).unwrap().get_timeout(GET).unwrap(), 9);
+}
+
+/// The statistics of `g` once `done` holds for them, or the last ones after 10 s: an actor
+/// counts an execution, and a writer a message, just after the value left, so the driver may
+/// get a result a moment before the counters it reads moved.
+fn stats_once(
+    stats: impl Fn() -> adag::GraphStats,
+    done: impl Fn(&adag::GraphStats) -> bool,
+) -> adag::GraphStats {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = stats();
+        if done(&s) || Instant::now() > deadline {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn actor_stats<'a>(s: &'a adag::GraphStats, name: &str) -> &'a adag::ActorStats {
+    s.actors
+        .iter()
+        .find(|a| a.actor == name)
+        .unwrap_or_else(|| panic!("no actor {name} in {s:?}"))
+}
+
+/// Actors on other hosts report their counters through their agent, like worker processes
+/// over their control socket: executions, busy time, and the messages of the edges they
+/// write; after teardown their final counts are kept. Their records stay off the driver's
+/// timeline (another host's clock).
+#[test]
+fn stats_of_actors_on_other_hosts_are_collected_and_kept_after_teardown() {
+    let (rt, _hosts, h) = cluster(2);
+    let a = rt
+        .spawn_named::<Stage>(Placement::Host(h[0].id), "RemoteA", 1)
+        .unwrap();
+    let b = rt
+        .spawn_named::<Stage>(Placement::Host(h[1].id), "RemoteB", 10)
+        .unwrap();
+    let t = rt
+        .spawn_named::<Stage>(Placement::Thread, "LocalT", 100)
+        .unwrap();
+    let dag = Dag::<u64>::new();
+    let g = dag
+        .compile(
+            t.step(b.step(a.step(dag.input()))),
+            CompileOptions::default().timeline(true),
+        )
+        .unwrap();
+    let n = 40u64;
+    for i in 0..n {
+        assert_eq!(g.execute(i).unwrap().get_timeout(GET).unwrap(), i + 111);
+    }
+    let settled = |s: &adag::GraphStats| {
+        s.actors.iter().all(|a| a.executions == n) && s.edges.iter().all(|e| e.messages == n)
+    };
+    let s = stats_once(|| g.stats(), settled);
+    for (name, handle) in [("RemoteA", &a), ("RemoteB", &b)] {
+        let r = actor_stats(&s, name);
+        assert!(r.reported, "{r:?}");
+        assert_eq!(r.executions, n, "{r:?}");
+        assert_eq!(r.pid, handle.pid(), "{r:?}");
+        assert!(r.busy > Duration::ZERO, "{r:?}");
+    }
+    // input, RemoteA.step, RemoteB.step, LocalT.step: the two in the middle are counted by
+    // writers on other hosts only.
+    assert_eq!(s.edges.len(), 4, "{s:?}");
+    for e in &s.edges {
+        assert_eq!(e.messages, n, "{e:?}");
+    }
+    for name in ["RemoteA.step", "RemoteB.step"] {
+        assert!(
+            s.edges.iter().any(|e| e.label.starts_with(name)),
+            "no edge {name} in {s:?}"
+        );
+    }
+    let timeline = g.timeline();
+    assert!(
+        timeline.events.iter().any(|e| e.actor == "LocalT"),
+        "{timeline:?}"
+    );
+    assert!(
+        timeline.events.iter().all(|e| e.actor == "LocalT"),
+        "records of another host on the driver's timeline: {timeline:?}"
+    );
+
+    g.teardown().unwrap();
+    // A second graph over the same actors must not change the first one's final report.
+    let dag = Dag::<u64>::new();
+    let g2 = dag
+        .compile(a.step(dag.input()), CompileOptions::default())
+        .unwrap();
+    assert_eq!(g2.execute(1).unwrap().get_timeout(GET).unwrap(), 2);
+    let s = g.stats();
+    for name in ["RemoteA", "RemoteB", "LocalT"] {
+        let r = actor_stats(&s, name);
+        assert!(r.reported, "{r:?}");
+        assert_eq!(r.executions, n, "{r:?}");
+    }
+    for e in &s.edges {
+        assert_eq!(e.messages, n, "{e:?}");
+    }
+    let s2 = stats_once(|| g2.stats(), |s| actor_stats(s, "RemoteA").executions == 1);
+    assert_eq!(actor_stats(&s2, "RemoteA").executions, 1, "{s2:?}");
+}
+
+/// A remote worker that does not answer (frozen), then one that is dead: `stats()` returns
+/// within its bound and marks it not reported; the other remote actor still reports.
+#[test]
+fn stats_of_a_silent_or_dead_remote_actor_are_unreported_never_a_hang() {
+    let (rt, _hosts, h) = cluster(2);
+    let a = rt
+        .spawn_named::<Stage>(Placement::Host(h[0].id), "Alive", 1)
+        .unwrap();
+    let b = rt
+        .spawn_named::<Stage>(Placement::Host(h[1].id), "Victim", 10)
+        .unwrap();
+    let dag = Dag::<u64>::new();
+    let g = dag
+        .compile(b.step(a.step(dag.input())), CompileOptions::default())
+        .unwrap();
+    for i in 0..5u64 {
+        assert_eq!(g.execute(i).unwrap().get_timeout(GET).unwrap(), i + 11);
+    }
+    let pid = b.pid().expect("a remote actor has a pid") as i32;
+    // SAFETY: plain signals to the test's own worker process (on loopback).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let started = Instant::now();
+    let s = g.stats();
+    let took = started.elapsed();
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert!(took < Duration::from_secs(8), "stats took {took:?}");
+    assert!(!actor_stats(&s, "Victim").reported, "{s:?}");
+    let alive = actor_stats(&s, "Alive");
+    assert!(alive.reported && alive.executions == 5, "{alive:?}");
+    // Thawed, it answers again.
+    let s = stats_once(|| g.stats(), |s| actor_stats(s, "Victim").reported);
+    assert_eq!(actor_stats(&s, "Victim").executions, 5, "{s:?}");
+
+    b.kill().unwrap();
+    let started = Instant::now();
+    let s = g.stats();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(8), "stats took {took:?}");
+    assert!(!actor_stats(&s, "Victim").reported, "{s:?}");
+    // The death tears the graph down (the survivor may be unreported while that runs); once
+    // it is done the survivor's final report is kept, and the dead one has none.
+    let err = g.execute(9).and_then(|r| r.get_timeout(GET)).unwrap_err();
+    assert!(
+        matches!(&err, adag::Error::ActorDied { actor, .. } if actor == "Victim"),
+        "{err}"
+    );
+    let s = stats_once(|| g.stats(), |s| actor_stats(s, "Alive").reported);
+    let alive = actor_stats(&s, "Alive");
+    assert!(alive.reported, "{alive:?}");
+    assert!(alive.executions >= 5, "{alive:?}");
+    assert!(!actor_stats(&s, "Victim").reported, "{s:?}");
 }
 
 /// A TCP proxy on loopback between two hosts that can delay, stall and reset what crosses.

@@ -3,6 +3,7 @@
 //! workers there with the same rules as here, serve one-off calls, report deaths.
 use super::call::{CallFailure, call_failure, decode_result, encode_args};
 use super::channels::{ChannelSizes, GraphChannels};
+use super::observe::Observation;
 use super::worker::{ProcessLink, graphs};
 use crate::cluster::agent::{AgentContext, AgentServices};
 use crate::cluster::data::DataPlane;
@@ -22,6 +23,9 @@ use std::time::{Duration, Instant};
 pub(crate) const INSTALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a host waits at teardown for its actors to stop their loops.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// What the driver waits for an actor's report beyond the wait its agent gives the worker:
+/// the round trip and the encoding of a few counters.
+const OBSERVE_MARGIN: Duration = Duration::from_secs(2);
 
 /// One host's part of a graph, as the driver sends it to that host's agent.
 #[derive(Serialize, Deserialize)]
@@ -100,6 +104,11 @@ fn remote_error(actor: &str, method: &str, failure: RemoteFailure) -> Error {
         RemoteFailure::Spawn(message) => Error::Spawn {
             actor: actor.to_string(),
             message,
+        },
+        RemoteFailure::TimedOut(timeout) => Error::Timeout {
+            what: format!("the host of actor {actor} to answer ({method})"),
+            timeout,
+            hint: "the host or its network is stalled; it is declared lost after the heartbeat timeout".into(),
         },
     }
 }
@@ -228,6 +237,38 @@ impl RemoteLink {
 
     pub(crate) fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// The worker's counters of its current (or last) graph, through its host's agent;
+    /// `None` if it is dead, its host is lost, or no answer came within `wait` (plus the
+    /// round trip).
+    pub(crate) fn observe(&self, wait: Duration) -> Option<Observation> {
+        if self.dead.lock().is_some() {
+            return None;
+        }
+        let request = AgentRequest::Observe {
+            actor: self.actor,
+            wait_ms: wait.as_millis() as u64,
+        };
+        let bytes = match self
+            .cluster
+            .request_within(self.host, request, wait + OBSERVE_MARGIN)
+        {
+            Ok(AgentReply::Observed(bytes)) => bytes?,
+            Ok(other) => {
+                tracing::debug!(actor = %self.name, reply = ?other, "unexpected answer to observe");
+                return None;
+            }
+            Err(f) => {
+                tracing::debug!(actor = %self.name, failure = ?f, "no report from the actor's host");
+                return None;
+            }
+        };
+        postcard::from_bytes(&bytes)
+            .map_err(|e| {
+                tracing::warn!(actor = %self.name, error = %e, "a report from another host does not decode (a different binary there?)");
+            })
+            .ok()
     }
 
     /// The host the actor runs on.
@@ -470,6 +511,13 @@ impl AgentServices for AgentWorkers {
             })
             .map_err(|e| format!("cannot start a watcher thread: {e}"))?;
         Ok(())
+    }
+
+    fn observe(&self, actor: u64, wait: Duration) -> Option<Vec<u8>> {
+        let observation = self.link(actor).ok()?.observe(wait)?;
+        postcard::to_stdvec(&observation)
+            .map_err(|e| tracing::warn!(actor, error = %e, "cannot encode an actor's report"))
+            .ok()
     }
 
     fn close_graph(&self, graph: u64) {

@@ -28,6 +28,9 @@ pub(crate) trait AgentServices: Send + Sync {
     fn install(&self, graph: u64, part: Vec<u8>) -> Result<(), String>;
     /// Close a graph's channels on this host; returns once its actors here stopped.
     fn close_graph(&self, graph: u64);
+    /// The encoded report of `actor`'s worker, waiting at most `wait` for it; `None` if the
+    /// worker is dead, unknown here or silent.
+    fn observe(&self, actor: u64, wait: Duration) -> Option<Vec<u8>>;
     /// Stop every worker: the agent is leaving.
     fn shutdown(&self);
 }
@@ -333,5 +336,8 @@ fn handle(
             services.close_graph(graph);
             Ok(AgentReply::Done)
         }
+        AgentRequest::Observe { actor, wait_ms } => Ok(AgentReply::Observed(
+            services.observe(actor, Duration::from_millis(wait_ms)),
+        )),
     }
 }

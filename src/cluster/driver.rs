@@ -211,6 +211,17 @@ impl ClusterDriver {
     /// Send `request` to host `host` and wait for its reply; fails at once if the host is
     /// lost (before or while waiting).
     pub(crate) fn request(&self, host: u64, request: AgentRequest) -> Reply {
+        self.request_until(host, request, None)
+    }
+
+    /// As [`request`](Self::request), failing with [`RemoteFailure::TimedOut`] when no reply
+    /// came within `wait`: for requests whose answer is worth less than a wait for the host
+    /// to be declared lost (a silent host takes the whole heartbeat timeout).
+    pub(crate) fn request_within(&self, host: u64, request: AgentRequest, wait: Duration) -> Reply {
+        self.request_until(host, request, Some(wait))
+    }
+
+    fn request_until(&self, host: u64, request: AgentRequest, wait: Option<Duration>) -> Reply {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = crossbeam_channel::bounded(1);
         let stream = {
@@ -231,12 +242,36 @@ impl ClusterDriver {
             self.mark_lost(host, format!("sending to it failed: {e}"));
         }
         // The reader answers, or a lost host drops the sender.
-        rx.recv().unwrap_or_else(|_| {
+        let got = match wait {
+            None => rx.recv().map_err(|_| ()),
+            Some(wait) => match rx.recv_timeout(wait) {
+                Ok(reply) => Ok(reply),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    // A late reply then finds no one waiting and is dropped.
+                    self.abandon(host, req);
+                    return Err(RemoteFailure::TimedOut(wait));
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(()),
+            },
+        };
+        got.unwrap_or_else(|()| {
             Err(RemoteFailure::HostLost(
                 self.lost_reason(host)
                     .unwrap_or_else(|| "its connection closed".into()),
             ))
         })
+    }
+
+    fn abandon(&self, host: u64, req: u64) {
+        if let Some(h) = self
+            .state
+            .lock()
+            .hosts
+            .iter_mut()
+            .find(|h| h.info.id == host)
+        {
+            h.pending.remove(&req);
+        }
     }
 
     /// Send `request` to host `host` without waiting for its reply (nothing to wait for when

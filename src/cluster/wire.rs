@@ -26,7 +26,7 @@ use std::time::Duration;
 /// The first bytes of every join.
 pub(crate) const MAGIC: &[u8; 8] = b"adagjoin";
 /// The protocol's version; a different one is refused with a message naming both.
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
 /// How long each side waits for the other's part of the handshake.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest frame read before the peer is authenticated: the join is small.
@@ -74,14 +74,22 @@ pub(crate) enum AgentRequest {
     Install { graph: u64, part: Vec<u8> },
     /// Close graph `graph` on this host; answered once its actors there stopped their loops.
     CloseGraph { graph: u64 },
+    /// The counters of `actor`'s current (or last) graph, waiting at most `wait_ms` for its
+    /// worker: the driver's wait is bounded, so the agent's must be too.
+    Observe { actor: u64, wait_ms: u64 },
 }
 
 /// What an agent answers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum AgentReply {
-    Spawned { pid: u32 },
+    Spawned {
+        pid: u32,
+    },
     Returned(Vec<u8>),
     Done,
+    /// An actor's report, encoded by the runtime (opaque here); `None` when its worker is
+    /// dead, unknown here or did not answer in time.
+    Observed(Option<Vec<u8>>),
 }
 
 /// Why a request to an agent failed.
@@ -97,6 +105,8 @@ pub(crate) enum RemoteFailure {
     Died(String),
     /// The host was lost before it answered (set by the driver, never sent).
     HostLost(String),
+    /// The host did not answer within the driver's wait (set by the driver, never sent).
+    TimedOut(std::time::Duration),
 }
 
 /// Messages from the driver.

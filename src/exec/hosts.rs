@@ -33,7 +33,6 @@ impl RemoteParts {
         plan: &Arc<GraphPlan>,
         actors: &[HandleCore],
         sizes: &ChannelSizes,
-        timeline: bool,
     ) -> Option<RemoteParts> {
         let cluster = actors.iter().find_map(|a| match &a.0.link {
             ActorLink::Remote(link) => Some(link.cluster().clone()),
@@ -52,7 +51,10 @@ impl RemoteParts {
                 slot_bytes: sizes.slot_bytes as u64,
                 max_message_bytes: sizes.max_message_bytes as u64,
                 spin_ns: sizes.spin.as_nanos() as u64,
-                timeline,
+                // Another host's monotonic clock does not line up with the driver's, so its
+                // records would not belong on the driver's timeline (docs/multi-host.md,
+                // limits): its actors record none, and spare the buffer and the clock reads.
+                timeline: false,
                 addrs: addrs.clone(),
             };
             let (cluster, hosts) = (cluster.clone(), parts.hosts.clone());

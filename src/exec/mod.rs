@@ -286,7 +286,7 @@ fn start<I: Value>(
     let obs = stats::Observers::new(plan.clone(), &actors, opts.timeline);
     // Other hosts install their parts first (each connects the network channels it writes,
     // then waits for those it reads), while this host does the same.
-    let remote = RemoteParts::start(&plan, &actors, &sizes, obs.timeline);
+    let remote = RemoteParts::start(&plan, &actors, &sizes);
     let fail_early = |e: Error| {
         comms.destroy_all();
         chans.close_all();
@@ -1326,8 +1326,10 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
     /// Where the graph's executions and time went so far: executions in flight, results
     /// buffered, messages, bytes and growths of every edge, executions and busy time of every
     /// actor. Worker processes are asked for their counters over their control socket (a
-    /// round trip each); after teardown their last counters are reported. See
-    /// [`GraphStats`] for an example.
+    /// round trip each), those on other hosts through their host's agent; each ask is bounded
+    /// (a few seconds for a silent worker or host, at once for a dead one, which is reported
+    /// with [`ActorStats::reported`] false). After teardown their last counters are reported.
+    /// See [`GraphStats`] for an example.
     pub fn stats(&self) -> GraphStats {
         let s = &self.shared;
         let live = !s.torn.load(Ordering::Acquire);
@@ -1352,7 +1354,8 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
     /// Every operation recorded so far by every actor, if the graph was compiled with
     /// [`CompileOptions::timeline`] or `ADAG_TIMELINE` was set (empty otherwise). Worker
     /// processes send theirs over their control socket; after teardown the last ones are
-    /// returned. See [`Timeline`] for an example.
+    /// returned. Actors on other hosts are not on it: their clock is not the driver's. See
+    /// [`Timeline`] for an example.
     pub fn timeline(&self) -> Timeline {
         let s = &self.shared;
         s.obs.timeline(&s.actors, !s.torn.load(Ordering::Acquire))

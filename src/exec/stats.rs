@@ -1,7 +1,8 @@
 //! Where a graph's time and messages went: the statistics of `CompiledGraph::stats()` and the
 //! driver's side of the timeline. Actors keep their own counters (`actor/observe.rs`); thread
-//! actors' are read in place, worker processes' are asked for over the control socket (and
-//! collected once more at teardown, so that a torn-down graph still reports them).
+//! actors' are read in place, worker processes' are asked for over the control socket, and
+//! those of workers on other hosts through their host's agent (both collected once more at
+//! teardown, so that a torn-down graph still reports them).
 use super::timeline::{OpKind, Timeline, TimelineEvent};
 use crate::actor::HandleCore;
 use crate::actor::channels::GraphChannels;
@@ -17,6 +18,16 @@ use std::time::Duration;
 
 /// How long the driver waits for a worker to report its counters.
 const OBSERVE_WAIT: Duration = Duration::from_secs(2);
+
+/// A worker's report, asked for over its control socket or through its host's agent; `None`
+/// for a thread actor (read in place) and for a worker that is dead or silent past the wait.
+fn ask_worker(link: &ActorLink) -> Option<Observation> {
+    match link {
+        ActorLink::Process(link) => link.observe(OBSERVE_WAIT),
+        ActorLink::Remote(link) => link.observe(OBSERVE_WAIT),
+        ActorLink::Thread(_) => None,
+    }
+}
 
 /// A snapshot of a compiled graph's activity ([`CompiledGraph::stats`](crate::CompiledGraph::stats)).
 ///
@@ -82,19 +93,24 @@ pub struct EdgeStats {
 pub struct ActorStats {
     /// The actor's name.
     pub actor: String,
-    /// Its worker's pid (`None` for thread actors).
+    /// Its worker's pid (`None` for thread actors; for an actor on another host, the pid
+    /// there).
     pub pid: Option<u32>,
     /// Executions it completed.
     pub executions: u64,
     /// Time spent in its methods (compute operations). Without a timeline the methods of one
     /// execution in 16 are timed and the sum is scaled to all executions (two clock reads per
-    /// call would show in a microsecond round trip); with a timeline every call is timed.
+    /// call would show in a microsecond round trip); with a timeline every call is timed
+    /// (actors on other hosts record no timeline, so theirs is always sampled).
     pub busy: Duration,
-    /// Lines of its worker's output dropped because the driver's output was too slow.
+    /// Lines of its worker's output dropped because the driver's output was too slow (0 for
+    /// an actor on another host: its output goes to its agent's, not the driver's).
     pub log_lines_dropped: u64,
-    /// Tracing events of its worker dropped because the socket to the driver was full.
+    /// Tracing events of its worker dropped because the socket to its driver (for an actor on
+    /// another host, its agent) was full.
     pub events_dropped: u64,
-    /// Whether the counters are known: false for a worker that is dead or did not answer.
+    /// Whether the counters are known: false for a worker that is dead or did not answer
+    /// (on another host: also when its host is lost or silent).
     pub reported: bool,
 }
 
@@ -147,15 +163,12 @@ impl Observers {
             .iter()
             .map(|a| match &a.0.link {
                 ActorLink::Thread(_) => self.local.get(&a.id()).map(|r| r.observe(None)),
-                ActorLink::Process(link) => {
-                    if live && let Some(o) = link.observe(OBSERVE_WAIT) {
+                ActorLink::Process(_) | ActorLink::Remote(_) => {
+                    if live && let Some(o) = ask_worker(&a.0.link) {
                         return Some(o);
                     }
                     self.last.lock().get(&a.id()).cloned()
                 }
-                // Not collected from other hosts (docs/multi-host.md, limits): the driver's
-                // own counters still count what crosses to and from them.
-                ActorLink::Remote(_) => None,
             })
             .collect()
     }
@@ -163,9 +176,7 @@ impl Observers {
     /// At teardown, once the loops stopped: keep the workers' final reports.
     pub(crate) fn collect_final(&self, actors: &[HandleCore]) {
         for a in actors {
-            if let ActorLink::Process(link) = &a.0.link
-                && let Some(o) = link.observe(OBSERVE_WAIT)
-            {
+            if let Some(o) = ask_worker(&a.0.link) {
                 self.last.lock().insert(a.id(), o);
             }
         }
@@ -197,8 +208,10 @@ impl Observers {
         };
         // The driver's own writers (inputs) and thread actors' share the driver's channels.
         chans.counters().counts().iter().for_each(&mut add);
+        // Workers (here or on other hosts) count the writers they opened; no writer is counted
+        // twice, as each edge has one writer and relays count nothing.
         for (a, r) in actors.iter().zip(&reports) {
-            if let (ActorLink::Process(_), Some(r)) = (&a.0.link, r) {
+            if let (ActorLink::Process(_) | ActorLink::Remote(_), Some(r)) = (&a.0.link, r) {
                 r.edges.iter().for_each(&mut add);
             }
         }
@@ -248,7 +261,14 @@ impl Observers {
         if !self.timeline {
             return t;
         }
-        let reports = self.reports(actors, live);
+        // Another host's clock is not the driver's: its records would be misplaced, so its
+        // actors record none and are not asked (docs/multi-host.md, limits).
+        let actors: Vec<HandleCore> = actors
+            .iter()
+            .filter(|a| !matches!(a.0.link, ActorLink::Remote(_)))
+            .cloned()
+            .collect();
+        let reports = self.reports(&actors, live);
         for (a, r) in actors.iter().zip(reports) {
             let Some(r) = r else { continue };
             let Some(mine) = self.plan.actors.iter().find(|p| p.actor == a.id()) else {
@@ -258,7 +278,7 @@ impl Observers {
                 mine.ops.iter().map(|op| op_name(&self.plan, op)).collect();
             let pid = match &a.0.link {
                 ActorLink::Process(link) => link.pid(),
-                ActorLink::Remote(link) => link.pid(),
+                ActorLink::Remote(_) => continue,
                 ActorLink::Thread(_) => std::process::id(),
             };
             t.dropped += r.timeline_dropped;
