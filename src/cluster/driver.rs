@@ -570,3 +570,82 @@ fn accept_loop(listener: TcpListener, driver: std::sync::Weak<ClusterDriver>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::ClusterOptions;
+
+    /// An agent that joins, then answers each request only when told to, heartbeating
+    /// meanwhile so that the driver never declares it lost.
+    fn fake_agent(addr: SocketAddr, answer: crossbeam_channel::Receiver<AgentReply>) {
+        let mut s = TcpStream::connect(addr).unwrap();
+        wire::agent_handshake(&mut s, b"tok").unwrap();
+        let hello = Hello {
+            name: "fake".into(),
+            cores: 1,
+            pid: 1,
+            data: SocketAddr::from(([127, 0, 0, 1], 9)),
+        };
+        wire::write_frame(&mut s, &hello).unwrap();
+        let _: ToAgent = wire::read_frame(&mut s).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+        let mut waiting = Vec::new();
+        loop {
+            match wire::read_frame_within::<ToAgent>(&mut s, wire::MAX_JOINED_FRAME) {
+                Ok(ToAgent::Request { req, .. }) => waiting.push(req),
+                Ok(ToAgent::Shutdown) => return,
+                Ok(_) => {}
+                Err(WireError::Io(e))
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => return,
+            }
+            if wire::write_frame(&mut s, &ToDriver::Heartbeat).is_err() {
+                return;
+            }
+            // An answer waits for a request to go with it.
+            while !waiting.is_empty()
+                && let Ok(reply) = answer.try_recv()
+            {
+                let req = waiting.remove(0);
+                let msg = ToDriver::Reply {
+                    req,
+                    result: Ok(reply),
+                };
+                wire::write_frame(&mut s, &msg).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn a_bounded_request_times_out_and_its_late_reply_goes_to_no_one() {
+        let driver = ClusterDriver::start(ClusterOptions::new("tok")).unwrap();
+        let (answer, answers) = crossbeam_channel::unbounded();
+        let addr = driver.addr();
+        let agent = std::thread::spawn(move || fake_agent(addr, answers));
+        let host = driver.wait_for_hosts(1, Duration::from_secs(10)).unwrap()[0].id;
+        let observe = || AgentRequest::Observe {
+            actor: 1,
+            wait_ms: 0,
+        };
+        let started = Instant::now();
+        let got = driver.request_within(host, observe(), Duration::from_millis(200));
+        assert_eq!(
+            got,
+            Err(RemoteFailure::TimedOut(Duration::from_millis(200)))
+        );
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert!(driver.state.lock().hosts[0].pending.is_empty());
+        // The first request's reply comes late and is dropped; the second gets its own.
+        answer.send(AgentReply::Observed(Some(vec![1]))).unwrap();
+        answer.send(AgentReply::Observed(Some(vec![2]))).unwrap();
+        let got = driver.request_within(host, observe(), Duration::from_secs(10));
+        assert_eq!(got, Ok(AgentReply::Observed(Some(vec![2]))));
+        assert!(driver.hosts().len() == 1, "the slow host was not lost");
+        drop(driver);
+        agent.join().unwrap();
+    }
+}
