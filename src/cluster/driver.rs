@@ -262,16 +262,18 @@ impl ClusterDriver {
         })
     }
 
-    fn abandon(&self, host: u64, req: u64) {
-        if let Some(h) = self
-            .state
+    /// Runs `f` on the state of host `host` under the lock, if that host joined.
+    fn with_host<R>(&self, host: u64, f: impl FnOnce(&mut Host) -> R) -> Option<R> {
+        self.state
             .lock()
             .hosts
             .iter_mut()
             .find(|h| h.info.id == host)
-        {
-            h.pending.remove(&req);
-        }
+            .map(f)
+    }
+
+    fn abandon(&self, host: u64, req: u64) {
+        self.with_host(host, |h| h.pending.remove(&req));
     }
 
     /// Send `request` to host `host` without waiting for its reply (nothing to wait for when
@@ -312,15 +314,7 @@ impl ClusterDriver {
 
     /// Stop telling anyone about actor `actor` (its handles are gone).
     pub(crate) fn forget(&self, host: u64, actor: u64) {
-        if let Some(h) = self
-            .state
-            .lock()
-            .hosts
-            .iter_mut()
-            .find(|h| h.info.id == host)
-        {
-            h.deaths.remove(&actor);
-        }
+        self.with_host(host, |h| h.deaths.remove(&actor));
     }
 
     fn lost_reason(&self, host: u64) -> Option<String> {
@@ -333,15 +327,7 @@ impl ClusterDriver {
     }
 
     fn reply(&self, host: u64, req: u64, result: Reply) {
-        let tx = {
-            let mut state = self.state.lock();
-            state
-                .hosts
-                .iter_mut()
-                .find(|h| h.info.id == host)
-                .and_then(|h| h.pending.remove(&req))
-        };
-        if let Some(tx) = tx {
+        if let Some(tx) = self.with_host(host, |h| h.pending.remove(&req)).flatten() {
             let _ = tx.send(result);
         }
     }
@@ -349,15 +335,7 @@ impl ClusterDriver {
     fn died(&self, host: u64, actor: u64, reason: &str) {
         // Named as faults are: which host the actor died on.
         let reason = format!("on {}: {reason}", self.describe_host(host));
-        let callback = {
-            let mut state = self.state.lock();
-            state
-                .hosts
-                .iter_mut()
-                .find(|h| h.info.id == host)
-                .and_then(|h| h.deaths.remove(&actor))
-        };
-        if let Some(cb) = callback {
+        if let Some(cb) = self.with_host(host, |h| h.deaths.remove(&actor)).flatten() {
             // Not on this host's reader thread: what the callback does (tearing a graph down)
             // sends requests to this host, whose replies that thread must read.
             let spawned = std::thread::Builder::new()
