@@ -16,10 +16,9 @@
 //! A connection that does not finish this within [`HANDSHAKE_TIMEOUT`], or whose proof is
 //! wrong, is closed and forgotten; each is checked on a thread of its own (at most
 //! [`MAX_HANDSHAKES`] at once), so a slow or hostile peer holds up nobody.
-use super::wire::HANDSHAKE_TIMEOUT;
-use hmac::{Hmac, KeyInit, Mac};
+use super::wire::{HANDSHAKE_TIMEOUT, HmacSha256, NONCE, PROOF, fresh_nonce, keyed_proof};
+use hmac::Mac;
 use parking_lot::{Condvar, Mutex};
-use sha2::Sha256;
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -34,11 +33,8 @@ pub(crate) const MAX_HANDSHAKES: usize = 64;
 /// A connection nobody claimed within this long (its graph failed to install) is dropped.
 const UNCLAIMED_FOR: Duration = Duration::from_secs(120);
 
-const NONCE: usize = 32;
-const PROOF: usize = 32;
-
-type HmacSha256 = Hmac<Sha256>;
-
+/// The proof of one side of a data connection: the join's keyed proof, in its own domain, over
+/// the role, both nonces, the graph and the channel.
 fn proof(
     secret: &[u8],
     role: &[u8],
@@ -47,21 +43,21 @@ fn proof(
     graph: u64,
     chan: u64,
 ) -> HmacSha256 {
-    let mut mac =
-        <HmacSha256 as KeyInit>::new_from_slice(secret).expect("HMAC takes a key of any length");
-    mac.update(b"adag-data ");
-    mac.update(role);
-    mac.update(nonce_r);
-    mac.update(nonce_w);
-    mac.update(&graph.to_le_bytes());
-    mac.update(&chan.to_le_bytes());
-    mac
+    keyed_proof(
+        secret,
+        b"adag-data ",
+        &[
+            role,
+            nonce_r,
+            nonce_w,
+            &graph.to_le_bytes(),
+            &chan.to_le_bytes(),
+        ],
+    )
 }
 
 fn nonce() -> io::Result<[u8; NONCE]> {
-    let mut n = [0u8; NONCE];
-    getrandom::fill(&mut n).map_err(|e| io::Error::other(format!("no random numbers: {e}")))?;
-    Ok(n)
+    fresh_nonce().map_err(|e| io::Error::other(format!("no random numbers: {e}")))
 }
 
 /// A host's data port and the connections that arrived on it.

@@ -35,8 +35,9 @@ pub(crate) const MAX_FRAME: usize = 1 << 20;
 /// results (the default ceiling of one message, `CompileOptions::max_message_bytes`).
 pub(crate) const MAX_JOINED_FRAME: usize = 1 << 30;
 
-const NONCE: usize = 32;
-const PROOF: usize = 32;
+/// Bytes of a handshake's nonce and of its proof (an HMAC-SHA256).
+pub(crate) const NONCE: usize = 32;
+pub(crate) const PROOF: usize = 32;
 
 /// The agent's first message after the handshake.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -175,22 +176,34 @@ pub(crate) enum WireError {
     Random(String),
 }
 
-type HmacSha256 = Hmac<Sha256>;
+pub(crate) type HmacSha256 = Hmac<Sha256>;
 
-fn proof(secret: &[u8], role: &[u8], nonce_a: &[u8], nonce_b: &[u8]) -> HmacSha256 {
+/// The proof that a peer knows `secret`: an HMAC-SHA256 keyed with it over a `domain` (which
+/// handshake: the join, or a data connection) and the handshake's `parts` (role, both fresh
+/// nonces, and what the connection is for), so that no proof of one handshake passes in another.
+pub(crate) fn keyed_proof(secret: &[u8], domain: &[u8], parts: &[&[u8]]) -> HmacSha256 {
     let mut mac =
         <HmacSha256 as KeyInit>::new_from_slice(secret).expect("HMAC takes a key of any length");
-    mac.update(b"adag-join ");
-    mac.update(role);
-    mac.update(nonce_a);
-    mac.update(nonce_b);
+    mac.update(domain);
+    for part in parts {
+        mac.update(part);
+    }
     mac
 }
 
-fn nonce() -> Result<[u8; NONCE], WireError> {
+fn proof(secret: &[u8], role: &[u8], nonce_a: &[u8], nonce_b: &[u8]) -> HmacSha256 {
+    keyed_proof(secret, b"adag-join ", &[role, nonce_a, nonce_b])
+}
+
+/// A fresh random nonce of a handshake.
+pub(crate) fn fresh_nonce() -> Result<[u8; NONCE], getrandom::Error> {
     let mut n = [0u8; NONCE];
-    getrandom::fill(&mut n).map_err(|e| WireError::Random(e.to_string()))?;
+    getrandom::fill(&mut n)?;
     Ok(n)
+}
+
+fn nonce() -> Result<[u8; NONCE], WireError> {
+    fresh_nonce().map_err(|e| WireError::Random(e.to_string()))
 }
 
 /// The agent's side of the handshake: proves it knows `secret` only after the driver did.
