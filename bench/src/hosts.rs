@@ -2,10 +2,10 @@
 //! this machine, joined over loopback, so that every edge between hosts is a TCP channel),
 //! and the floor they are measured against: raw loopback TCP ping-pong and echo of the same
 //! bytes, measured by this binary in the same run.
-use super::{Bench, pipelined, timed};
+use super::{Bench, timed};
 use adag::cluster::{ClusterOptions, HostInfo, LocalHosts};
 use adag::{Buffer, CompileOptions, Placement, RefSet};
-use adag_bench::{Stage, chain, fanout, payload_echo};
+use adag_bench::{Stage, fanout, payload_echo};
 use anyhow::{Context, Result, ensure};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -49,25 +49,11 @@ impl Bench {
         let stages = [spawn(&h[0], 1)?, spawn(&h[1], 1)?, spawn(&h[2], 1)?];
         let echo = spawn(&h[0], 0)?;
         if self.wants("echo/hosts") {
-            let g = chain(std::slice::from_ref(&echo), self.opts.clone())?;
-            let n = self.counts.sync;
-            let m = timed(self.counts.warmup(n), n, |i| {
-                let v = g.execute(i)?.get()?;
-                ensure!(v == i, "echo returned {v} for {i}");
-                Ok(())
-            })?;
-            g.teardown()?;
+            let m = self.chain_round_trips(std::slice::from_ref(&echo), 0)?;
             self.push(m.row("echo", PLACEMENT, "actor on another host; 2 TCP hops"));
         }
         if self.wants("chain3/hosts") {
-            let g = chain(&stages, self.opts.clone())?;
-            let n = self.counts.sync;
-            let m = timed(self.counts.warmup(n), n, |i| {
-                let v = g.execute(i)?.get()?;
-                ensure!(v == i + 3, "chain returned {v} for {i}");
-                Ok(())
-            })?;
-            g.teardown()?;
+            let m = self.chain_round_trips(&stages, 3)?;
             self.push(m.row(
                 "chain3",
                 PLACEMENT,
@@ -75,14 +61,7 @@ impl Bench {
             ));
         }
         if self.wants("chain3_pipe16/hosts") {
-            let g = chain(&stages, self.opts.clone().max_inflight_executions(16))?;
-            let n = self.counts.pipelined;
-            let m = pipelined(&g, 16, self.counts.warmup(n), n, |i, r| {
-                let v = r.get()?;
-                ensure!(v == i + 3, "chain returned {v} for {i}");
-                Ok(())
-            })?;
-            g.teardown()?;
+            let m = self.chain_pipelined(&stages, 3, 16)?;
             self.push(m.row("chain3_pipe16", PLACEMENT, "16 in flight over 3 hosts"));
         }
         if self.wants("fanout3/hosts") {
@@ -187,11 +166,16 @@ impl Bench {
     }
 }
 
-fn spin_read(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
+/// Moves `len` bytes through `step` (one non-blocking read or write at an offset), spinning
+/// while the socket would block; 30 s at most.
+fn spin_all(
+    len: usize,
+    mut step: impl FnMut(usize) -> std::io::Result<usize>,
+) -> std::io::Result<()> {
     let mut at = 0;
     let started = Instant::now();
-    while at < buf.len() {
-        match s.read(&mut buf[at..]) {
+    while at < len {
+        match step(at) {
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
             Ok(n) => at += n,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -206,20 +190,10 @@ fn spin_read(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+fn spin_read(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
+    spin_all(buf.len(), |at| s.read(&mut buf[at..]))
+}
+
 fn spin_write(s: &mut TcpStream, buf: &[u8]) -> std::io::Result<()> {
-    let mut at = 0;
-    let started = Instant::now();
-    while at < buf.len() {
-        match s.write(&buf[at..]) {
-            Ok(n) => at += n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if started.elapsed() > Duration::from_secs(30) {
-                    return Err(std::io::ErrorKind::TimedOut.into());
-                }
-                std::hint::spin_loop();
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    spin_all(buf.len(), |at| s.write(&buf[at..]))
 }

@@ -14,7 +14,7 @@
 //! `scripts/ray/workloads.py`, so `scripts/ray/compare.py` can put both systems side by side.
 
 use adag::Buffer;
-use adag::{CompileOptions, CompiledGraph, IntoOutputs, Placement, RefSet, Runtime};
+use adag::{ActorHandle, CompileOptions, CompiledGraph, IntoOutputs, Placement, RefSet, Runtime};
 use adag_bench::{Stage, chain, fanout, payload_echo, spawn_stages};
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
@@ -312,6 +312,46 @@ impl Bench {
         }
     }
 
+    /// Synchronous round trips (`execute` + `get`) through a chain of `stages`, each result
+    /// checked against `x + added`; the graph torn down after.
+    fn chain_round_trips(&self, stages: &[ActorHandle<Stage>], added: u64) -> Result<Measured> {
+        let g = chain(stages, self.opts.clone())?;
+        let n = self.counts.sync;
+        let m = timed(self.counts.warmup(n), n, |i| {
+            let v = g.execute(i)?.get()?;
+            ensure!(
+                v == i + added,
+                "a chain of {} returned {v} for {i}",
+                stages.len()
+            );
+            Ok(())
+        })?;
+        g.teardown()?;
+        Ok(m)
+    }
+
+    /// The same chain with `depth` executions kept in flight.
+    fn chain_pipelined(
+        &self,
+        stages: &[ActorHandle<Stage>],
+        added: u64,
+        depth: usize,
+    ) -> Result<Measured> {
+        let g = chain(stages, self.opts.clone().max_inflight_executions(depth))?;
+        let n = self.counts.pipelined;
+        let m = pipelined(&g, depth, self.counts.warmup(n), n, |i, r| {
+            let v = r.get()?;
+            ensure!(
+                v == i + added,
+                "a chain of {} returned {v} for {i}",
+                stages.len()
+            );
+            Ok(())
+        })?;
+        g.teardown()?;
+        Ok(m)
+    }
+
     /// One-actor echo (`x + 0` through `Stage::add`): synchronous execute + get.
     fn echo(&mut self, placement: Placement) -> Result<()> {
         let pl = Self::placement_name(placement);
@@ -319,14 +359,7 @@ impl Bench {
             return Ok(());
         }
         let a = self.rt.spawn::<Stage>(placement, 0)?;
-        let g = chain(std::slice::from_ref(&a), self.opts.clone())?;
-        let n = self.counts.sync;
-        let m = timed(self.counts.warmup(n), n, |i| {
-            let v = g.execute(i)?.get()?;
-            ensure!(v == i, "echo returned {v} for {i}");
-            Ok(())
-        })?;
-        g.teardown()?;
+        let m = self.chain_round_trips(std::slice::from_ref(&a), 0)?;
         self.push(m.row("echo", pl, "execute+get"));
         Ok(())
     }
@@ -359,28 +392,14 @@ impl Bench {
         }
         let stages = spawn_stages(&self.rt, placement, 3)?;
         if self.wants(&keys[0]) {
-            let g = chain(&stages, self.opts.clone())?;
-            let n = self.counts.sync;
-            let m = timed(self.counts.warmup(n), n, |i| {
-                let v = g.execute(i)?.get()?;
-                ensure!(v == i + 3, "chain returned {v} for {i}");
-                Ok(())
-            })?;
-            g.teardown()?;
+            let m = self.chain_round_trips(&stages, 3)?;
             self.push(m.row("chain3", pl, "execute+get"));
         }
         for (&d, key) in depths.iter().zip(&keys[1..]) {
             if !self.wants(key) {
                 continue;
             }
-            let g = chain(&stages, self.opts.clone().max_inflight_executions(d))?;
-            let n = self.counts.pipelined;
-            let m = pipelined(&g, d, self.counts.warmup(n), n, |i, r| {
-                let v = r.get()?;
-                ensure!(v == i + 3, "chain returned {v} for {i}");
-                Ok(())
-            })?;
-            g.teardown()?;
+            let m = self.chain_pipelined(&stages, 3, d)?;
             let name = key.split('/').next().unwrap_or(key);
             self.push(m.row(name, pl, format!("{d} in flight; latency = submit→result")));
         }
