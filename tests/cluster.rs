@@ -1,8 +1,12 @@
 //! Hosts joining a driver (the first part of graphs across hosts): hosts are separate process
 //! trees on this machine, started with this test executable and `ADAG_JOIN`/`ADAG_TOKEN`;
 //! all traffic stays on loopback, and every wait is bounded.
+#[path = "common/procs.rs"]
+mod procs;
+
 use adag::Runtime;
 use adag::cluster::{ClusterOptions, EXIT_JOIN_FAILED, LocalHosts};
+use procs::alive;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -14,19 +18,6 @@ fn options() -> ClusterOptions {
     ClusterOptions::new(SECRET)
         .heartbeat_interval(Duration::from_millis(100))
         .heartbeat_timeout(Duration::from_secs(2))
-}
-
-fn alive(pid: u32) -> bool {
-    // A zombie is not alive: read its state.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            !s.rsplit(')')
-                .next()
-                .unwrap_or("")
-                .trim_start()
-                .starts_with('Z')
-        })
-        .unwrap_or(false)
 }
 
 /// Waits (bounded) until `cond` holds.

@@ -1,8 +1,12 @@
 //! Graphs across hosts: hosts are separate process trees on this machine (this test
 //! executable started with `ADAG_JOIN`/`ADAG_TOKEN`), so that every edge between actors on
 //! different hosts is a real TCP channel on loopback. Every wait is bounded.
+#[path = "common/procs.rs"]
+mod procs;
+
 use adag::cluster::{ClusterOptions, HostInfo, LocalHosts};
 use adag::{Buffer, CompileOptions, Dag, Placement, Runtime};
+use procs::alive;
 use std::time::{Duration, Instant};
 
 const SECRET: &str = "multi-host-secret-9f2";
@@ -715,26 +719,15 @@ fn a_killed_driver_leaves_nothing_behind() {
         .map(|p| p.parse().unwrap())
         .collect();
     assert_eq!(pids.len(), 5, "two agents and three workers: {pids:?}");
-    let alive = |pid: &u32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| {
-                !s.rsplit(')')
-                    .next()
-                    .unwrap_or("")
-                    .trim_start()
-                    .starts_with('Z')
-            })
-            .unwrap_or(false)
-    };
-    assert!(pids.iter().all(alive));
+    assert!(pids.iter().all(|&p| alive(p)));
     driver.kill().unwrap();
     driver.wait().unwrap();
     let start = std::time::Instant::now();
-    while pids.iter().any(alive) {
+    while pids.iter().any(|&p| alive(p)) {
         assert!(
             start.elapsed() < Duration::from_secs(30),
             "still alive 30 s after the driver was killed: {:?}",
-            pids.iter().filter(|p| alive(p)).collect::<Vec<_>>()
+            pids.iter().filter(|&&p| alive(p)).collect::<Vec<_>>()
         );
         std::thread::sleep(Duration::from_millis(50));
     }
