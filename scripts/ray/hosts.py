@@ -16,7 +16,6 @@ import os
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -27,7 +26,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.dag import InputNode, MultiOutputNode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import Stage, expect, machine, pipelined, print_table, shm_files, timed  # noqa: E402
+from workloads import Stage, expect, machine, pipelined, print_table, runner_args, shm_files, timed  # noqa: E402
 
 LOOPBACK = "127.0.0.1"
 
@@ -40,12 +39,7 @@ def row(m, workload, note):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny counts (smoke run)")
-    p.add_argument("--iters", type=int, help="measured round trips of the small-message workloads")
-    p.add_argument("--filter", help="run only workloads whose key contains this substring")
-    p.add_argument("--json", help="also write the results as JSON to this file")
-    args = p.parse_args()
+    args = runner_args(__doc__).parse_args()
     want = lambda k: args.filter is None or args.filter in k  # noqa: E731
     sync = args.iters or (100 if args.quick else 2000)
     warm = lambda n: min(max(n // 10, 3), 500)  # noqa: E731

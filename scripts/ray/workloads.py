@@ -376,12 +376,18 @@ def machine():
     return {"cpus": os.cpu_count(), "cpu_model": model, "kernel": platform.release()}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def runner_args(doc):
+    """The options every runner of these workloads takes (this one and hosts.py)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny counts (smoke run)")
     p.add_argument("--iters", type=int, help="measured round trips of the small-message workloads")
     p.add_argument("--filter", help="run only workloads whose key contains this substring")
     p.add_argument("--json", help="also write the results as JSON to this file")
+    return p
+
+
+def main():
+    p = runner_args(__doc__)
     p.add_argument("--system", choices=("ray", "adag"), default="ray",
                    help="run against Ray Compiled Graphs (default) or adag's Python package")
     p.add_argument("--keep-shm", action="store_true",
