@@ -39,7 +39,17 @@ finally:
 del _join
 
 from . import exceptions
-from ._actor import ActorClass, ActorHandle, ActorMethod, ObjectRef, method, remote
+from ._actor import (
+    ActorClass,
+    ActorHandle,
+    ActorMethod,
+    ObjectRef,
+    RemoteFunction,
+    method,
+    put,
+    remote,
+    wait,
+)
 from ._dag import (
     ClassMethodNode,
     CompiledDAG,
@@ -62,6 +72,7 @@ from .exceptions import (
     TaskError,
     WrongModeError,
 )
+from . import dag, experimental, util  # noqa: E402  (Ray's module layout)
 
 _Ref = Union[CompiledDAGRef, ObjectRef, CompiledDAGFuture]
 
@@ -70,10 +81,19 @@ def _get(refs: Union[_Ref, Sequence[_Ref]], timeout: Optional[float] = None) -> 
     """:func:`get` of anything but one ``CompiledDAGRef`` (which the native ``get`` takes
     itself, without this frame)."""
     if isinstance(refs, (list, tuple)):
+        compiled = [isinstance(r, CompiledDAGRef) for r in refs]
+        if any(compiled) and not all(compiled):
+            raise ValueError(
+                "Invalid type of object refs. 'object_refs' must be a list of CompiledDAGRefs "
+                "if there is any CompiledDAGRef within it. "
+            )
         return [get(r, timeout) for r in refs]
     if isinstance(refs, (CompiledDAGRef, ObjectRef, CompiledDAGFuture)):
         return refs.get(timeout)
-    raise TypeError(f"adag.get takes refs, or a list of refs, not {type(refs).__name__}")
+    raise ValueError(
+        f"Invalid type of object refs, {type(refs)}, is given. 'object_refs' must either be an "
+        "ObjectRef or a list of ObjectRefs."
+    )
 
 
 #: ``adag.get(refs, timeout=None)``: the value of a ref, or the values of a list of refs, in
@@ -110,19 +130,67 @@ __all__ = [
     "MultiOutputNode",
     "ObjectRef",
     "PlacementError",
+    "RemoteFunction",
     "TaskError",
     "WrongModeError",
+    "dag",
     "exceptions",
+    "experimental",
     "get",
     "kill",
     "method",
     "nodes",
+    "put",
     "remote",
+    "util",
+    "wait",
     "wait_for_nodes",
 ]
 
 
 __version__ = "0.1.0"
+
+
+#: Keywords of Ray's ``ray.init`` that adag accepts and ignores: actors are worker processes
+#: of this interpreter (or of hosts that joined), so there is no cluster to size or address.
+_RAY_INIT_OPTIONS = {
+    "address",
+    "num_cpus",
+    "num_gpus",
+    "resources",
+    "labels",
+    "object_store_memory",
+    "local_mode",
+    "ignore_reinit_error",
+    "include_dashboard",
+    "dashboard_host",
+    "dashboard_port",
+    "job_config",
+    "configure_logging",
+    "logging_level",
+    "logging_format",
+    "logging_config",
+    "log_to_driver",
+    "namespace",
+    "runtime_env",
+    "storage",
+    "enable_resource_isolation",
+    "system_reserved_cpu",
+    "system_reserved_memory",
+    "_system_config",
+    "_temp_dir",
+    "_node_ip_address",
+    "_enable_object_reconstruction",
+    "_plasma_directory",
+    "_metrics_export_port",
+    "_memory",
+    "_redis_password",
+    "_tracing_startup_hook",
+}
+
+#: The variable a driver listens on when ``adag.init()`` is given no ``listen=`` (with
+#: ``ADAG_TOKEN``): launch recipes configure a driver without code of the user's.
+ENV_LISTEN = "ADAG_LISTEN"
 
 
 def init(
@@ -131,28 +199,46 @@ def init(
     listen: Optional[str] = None,
     token: Optional[str] = None,
     heartbeat_timeout: Optional[float] = None,
-    **_ray_options: Any,
+    **ray_options: Any,
 ) -> Optional[str]:
-    """Ray's ``ray.init``. Without ``listen=`` it does nothing (accepted so that programs
-    port unchanged: actors are worker processes of this interpreter, started by
-    ``.remote()``); ``address`` and Ray's other options are accepted and ignored.
+    """Ray's ``ray.init``. Without ``listen=`` (and without ``ADAG_LISTEN`` in the
+    environment) it does nothing: actors are worker processes of this interpreter, started
+    by ``.remote()``. ``address`` and Ray's other keywords (``num_cpus``, ``namespace``,
+    ``runtime_env``, ``ignore_reinit_error``, ...) are accepted and ignored; a keyword Ray's
+    ``init`` does not have either is a ``TypeError`` (so a misspelt option is not lost).
 
-    ``listen="ip:port"`` makes this driver listen for other hosts (port 0: any free one;
-    loopback only reaches this machine, ``0.0.0.0`` every interface), with the shared secret
-    ``token`` (default: ``ADAG_TOKEN``); returns the address hosts join with
-    ``ADAG_JOIN=<address> ADAG_TOKEN=<secret> python -m adag.agent``. Then
+    ``listen="ip:port"`` (or ``ADAG_LISTEN``) makes this driver listen for other hosts
+    (port 0: any free one; loopback only reaches this machine, ``0.0.0.0`` every interface),
+    with the shared secret ``token`` (default: ``ADAG_TOKEN``); returns the address hosts
+    join with ``ADAG_JOIN=<address> ADAG_TOKEN=<secret> python -m adag.agent``. Then
     :func:`wait_for_nodes`, :func:`nodes`, and ``.options(scheduling_strategy=
     NodeAffinitySchedulingStrategy(node_id=...))`` to place actors there
     (:mod:`adag.cluster`). ``heartbeat_timeout``: seconds of silence after which a host is
     lost (default 5).
     """
+    unknown = set(ray_options) - _RAY_INIT_OPTIONS
+    if unknown:
+        raise TypeError(
+            f"adag.init() got unknown keyword arguments: {', '.join(sorted(unknown))} "
+            "(adag takes listen=, token=, heartbeat_timeout= and accepts Ray's own init "
+            "keywords; see docs/python.md)"
+        )
+    if listen is None:
+        listen = _os.environ.get(ENV_LISTEN) or None
     if listen is None:
         if token is not None or heartbeat_timeout is not None:
             raise TypeError("token= and heartbeat_timeout= go with listen=\"ip:port\"")
         return None
     from . import cluster
 
+    if cluster.address() is not None and ray_options.get("ignore_reinit_error"):
+        return cluster.address()
     return cluster.listen(listen, token, heartbeat_timeout)
+
+
+def is_initialized() -> bool:
+    """Ray's ``ray.is_initialized``: always true (adag needs no cluster to start)."""
+    return True
 
 
 def shutdown() -> None:
@@ -163,4 +249,4 @@ def shutdown() -> None:
     _teardown_all()
 
 
-__all__ += ["init", "shutdown", "__version__"]
+__all__ += ["init", "is_initialized", "shutdown", "__version__"]

@@ -1,15 +1,18 @@
-"""Actors: ``@adag.remote`` classes, their handles, methods and one-off calls (internal;
-the names are exported by :mod:`adag`)."""
+"""Actors and tasks: ``@adag.remote`` classes and functions, handles, methods, one-off calls
+and their refs (internal; the names are exported by :mod:`adag`)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import itertools
 import os
+import pickle
 import sys
 import threading
-from typing import Any, Dict, Generic, Optional, TypeVar
+import weakref
+from typing import Any, Dict, Generic, List, Optional, Tuple, TypeVar
 
 from . import _native
 from .exceptions import GetTimeoutError
@@ -31,6 +34,7 @@ _RAY_OPTIONS = {
     "max_concurrency",
     "max_restarts",
     "max_task_retries",
+    "max_pending_calls",
     "lifetime",
     "namespace",
     "runtime_env",
@@ -38,9 +42,27 @@ _RAY_OPTIONS = {
     "get_if_exists",
     "placement_group",
     "placement_group_bundle_index",
+    "placement_group_capture_child_tasks",
     "accelerator_type",
     "label_selector",
+    "enable_task_events",
+    "_metadata",
 }
+
+# `@ray.method(...)` / `actor.method.options(...)` keywords adag accepts; only `num_returns`
+# changes anything.
+_METHOD_OPTIONS = {
+    "num_returns",
+    "concurrency_group",
+    "max_task_retries",
+    "retry_exceptions",
+    "enable_task_events",
+    "tensor_transport",
+    "name",
+}
+
+# `@ray.remote` options of a function (a one-off task in a worker process).
+_TASK_OPTIONS = _RAY_OPTIONS | {"num_returns", "max_retries", "retry_exceptions", "name"}
 
 
 def _ensure_worker_command() -> None:
@@ -58,12 +80,68 @@ def _ensure_worker_command() -> None:
         _worker_command_set = True
 
 
+def _dumps_class(cls: type) -> bytes:
+    """An actor's class for its worker, with the source of code that travels by value (a
+    class of ``__main__``, of a notebook, of ``exec``): the worker registers it with
+    ``linecache``, so tracebacks of its methods show their lines."""
+    import cloudpickle
+    import linecache
+
+    sources: Dict[str, List[str]] = {}
+    if cls.__module__ == "__main__" or cls.__module__ not in sys.modules:
+        for klass in cls.__mro__:
+            if klass.__module__ == "builtins":
+                continue
+            for attr in vars(klass).values():
+                fn = getattr(attr, "__func__", attr)
+                code = getattr(fn, "__code__", None)
+                name = getattr(code, "co_filename", None)
+                if not name or name in sources:
+                    continue
+                lines = linecache.getlines(name)
+                if lines and sum(len(x) for x in lines) < (4 << 20):
+                    sources[name] = lines
+    return cloudpickle.dumps((cls, sources))
+
+
+def _load_class(data: bytes) -> type:
+    """In a worker: the class of :func:`_dumps_class`, its sources registered where the
+    worker cannot read them itself."""
+    import linecache
+
+    cls, sources = pickle.loads(data)
+    for name, lines in sources.items():
+        if not linecache.getlines(name):
+            linecache.cache[name] = (sum(len(x) for x in lines), None, lines, name)
+    return cls
+
+
+def _num_returns(value: Any, where: str) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{where}: num_returns={value!r} is not supported; adag takes a number of "
+            "values of 1 or more (Ray's 'streaming' and 'dynamic' generators are not "
+            "supported)"
+        )
+    return value
+
+
 class ObjectRef(Generic[T]):
-    """The result of a one-off call ``actor.method.remote(...)`` (Ray's ``ObjectRef``):
-    claim it with :func:`adag.get` or ``await`` it."""
+    """The result of a one-off call ``actor.method.remote(...)``, a task, or
+    :func:`adag.put` (Ray's ``ObjectRef``): claim it with :func:`adag.get` (any number of
+    times) or ``await`` it."""
 
     def __init__(self, future: "concurrent.futures.Future[T]") -> None:
         self._future = future
+
+    @classmethod
+    def of_value(cls, value: Any) -> "ObjectRef":
+        """A ref whose value is ``value``, ready at once."""
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        f.set_result(value)
+        return cls(f)
 
     def get(self, timeout: Optional[float] = None) -> T:
         """Wait for the value, up to ``timeout`` seconds (``None``: for ever)."""
@@ -71,8 +149,8 @@ class ObjectRef(Generic[T]):
             return self._future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             raise GetTimeoutError(
-                f"timed out after {timeout} s waiting for a one-off call; "
-                "raise the timeout= of adag.get(ref, timeout=...)"
+                f"Get timed out: some object(s) not ready. Waited {timeout} s for a one-off "
+                "call; raise the timeout= of adag.get(ref, timeout=...)"
             ) from None
 
     def __await__(self):
@@ -82,59 +160,233 @@ class ObjectRef(Generic[T]):
         """The call as a ``concurrent.futures.Future``."""
         return self._future
 
+    def hex(self) -> str:
+        """An id of this ref (Ray's ``ObjectRef.hex``)."""
+        return f"{id(self):016x}"
+
+    def __repr__(self) -> str:
+        return f"ObjectRef({self.hex()})"
+
+
+class _PutValue:
+    """The value of :func:`adag.put`: kept as a pickle, so the ref holds a snapshot and each
+    ``get`` returns a copy (as Ray's object store does)."""
+
+    def __init__(self, value: Any) -> None:
+        self._bytes = _dumps(value)
+
+    def load(self) -> Any:
+        return pickle.loads(self._bytes)
+
+
+def _dumps(value: Any) -> bytes:
+    try:
+        return pickle.dumps(value, protocol=5)
+    except Exception:
+        import cloudpickle
+
+        return cloudpickle.dumps(value)
+
+
+class _PutFuture(concurrent.futures.Future):
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self._put = _PutValue(value)
+        super().set_result(None)
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        return self._put.load()
+
+
+def put(value: Any) -> ObjectRef:
+    """Ray's ``ray.put``: a ref to a snapshot of ``value`` (pass it to ``.remote()`` calls
+    or :func:`adag.get` it). A compiled graph's ref cannot be put."""
+    if _is_compiled_ref(value):
+        raise TypeError(
+            "CompiledDAGRef cannot be put: it was found to be non-serializable (get its value "
+            "first)"
+        )
+    return ObjectRef(_PutFuture(value))
+
+
+def _is_compiled_ref(value: Any) -> bool:
+    from ._dag import CompiledDAGFuture, CompiledDAGRef
+
+    return isinstance(value, (CompiledDAGRef, CompiledDAGFuture))
+
+
+def _resolve(args: tuple, kwargs: Dict[str, Any]) -> Tuple[tuple, Dict[str, Any]]:
+    """Arguments of a one-off call: refs become their values (Ray's argument resolution)."""
+    for v in itertools.chain(args, kwargs.values()):
+        if _is_compiled_ref(v):
+            raise TypeError("CompiledDAGRef cannot be used as Ray task/actor argument.")
+    resolved = tuple(a.get() if isinstance(a, ObjectRef) else a for a in args)
+    kw = {k: (v.get() if isinstance(v, ObjectRef) else v) for k, v in kwargs.items()}
+    return resolved, kw
+
+
+def _split(ref: ObjectRef, n: int) -> List[ObjectRef]:
+    """The ``n`` refs of a call with ``num_returns=n`` (the worker checked the count)."""
+    outs: List[concurrent.futures.Future] = [concurrent.futures.Future() for _ in range(n)]
+
+    def done(f: concurrent.futures.Future) -> None:
+        try:
+            values = f.result()
+            if len(values) != n:
+                raise ValueError(
+                    f"Expected {n} outputs, but got {len(values)} outputs: a call with "
+                    f"num_returns={n} returns a tuple or list of {n} values"
+                )
+        except BaseException as e:  # every ref raises the call's error
+            for o in outs:
+                o.set_exception(e)
+            return
+        for o, v in zip(outs, values):
+            o.set_result(v)
+
+    ref._future.add_done_callback(done)
+    return [ObjectRef(o) for o in outs]
+
+
+#: What a handle knows of its class's methods: name -> (signature without ``self`` or
+#: ``None`` when it cannot be read, num_returns).
+_MethodTable = Dict[str, Tuple[Optional[inspect.Signature], int]]
+
+
+def _method_table(cls: type) -> _MethodTable:
+    table: _MethodTable = {}
+    for name in dir(cls):
+        if name.startswith("__") and name.endswith("__"):
+            continue
+        try:
+            attr = inspect.getattr_static(cls, name)
+        except AttributeError:
+            continue
+        drop_self = True
+        if isinstance(attr, staticmethod):
+            fn, drop_self = attr.__func__, False
+        elif isinstance(attr, classmethod):
+            fn = attr.__func__
+        elif inspect.isfunction(attr):
+            fn = attr
+        else:
+            continue
+        try:
+            sig: Optional[inspect.Signature] = inspect.signature(fn)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is not None and drop_self:
+            params = list(sig.parameters.values())[1:]
+            sig = sig.replace(parameters=params)
+        n = _num_returns(
+            getattr(fn, "__ray_num_returns__", 1), f"{cls.__name__}.{name}"
+        )
+        table[name] = (sig, n)
+    return table
+
 
 class ActorMethod:
     """A method of an actor: ``.bind(...)`` adds it to a graph, ``.remote(...)`` calls it
-    once."""
+    once, ``.options(num_returns=n)`` makes it return ``n`` values (``n`` nodes, ``n``
+    refs)."""
 
-    def __init__(self, actor: "ActorHandle", name: str) -> None:
+    def __init__(self, actor: "ActorHandle", name: str, num_returns: int = 1) -> None:
         self._actor = actor
         self._name = name
+        self._num_returns = num_returns
 
-    def bind(self, *args: Any, **kwargs: Any) -> "ClassMethodNode":
-        """A node of a graph: this method called with ``args`` (nodes or constants)."""
-        from ._dag import ClassMethodNode
+    def _check(self, args: tuple, kwargs: Dict[str, Any], verb: str) -> None:
+        sig = self._actor._methods.get(self._name, (None, 1))[0]
+        if sig is None:
+            return
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(
+                f"{e}. The function `{self._name}` has a signature `{sig}`, but the given "
+                f"arguments to `{verb}` doesn't match. args: {args}. kwargs: {kwargs}."
+            ) from None
 
-        return ClassMethodNode(self._actor, self._name, args, kwargs)
+    def bind(self, *args: Any, **kwargs: Any) -> Any:
+        """A node of a graph: this method called with ``args`` (nodes or constants); a tuple
+        of ``num_returns`` nodes when the method returns several values. The arguments are
+        checked against the method's signature (``TypeError``, Ray's message)."""
+        from ._dag import ClassMethodNode, _return_nodes
 
-    def remote(self, *args: Any, **kwargs: Any) -> ObjectRef:
-        """Call the method once, outside any graph (the slow path, for set-up). An actor in a
-        live graph runs the call between two executions."""
-        return self._actor._submit(self._name, args, kwargs)
+        self._check(args, kwargs, "bind")
+        node = ClassMethodNode(self._actor, self._name, args, kwargs, self._num_returns)
+        if self._num_returns > 1:
+            return _return_nodes(node, self._num_returns)
+        return node
 
-    def options(self, **_options: Any) -> "ActorMethod":
-        """Accepted for Ray compatibility (``num_returns`` is not supported)."""
-        if _options.get("num_returns", 1) != 1:
-            raise ValueError("num_returns other than 1 is not supported by adag's Python API")
-        return self
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the method once, outside any graph (the slow path, for set-up): an
+        :class:`ObjectRef` (a list of ``num_returns`` refs). An actor in a live graph runs
+        the call between two executions."""
+        self._check(args, kwargs, "remote")
+        return self._actor._submit(self._name, args, kwargs, self._num_returns)
+
+    def options(self, **options: Any) -> "ActorMethod":
+        """Ray's per-call options: ``num_returns`` (1 or more); ``concurrency_group``,
+        ``max_task_retries``, ``retry_exceptions``, ``tensor_transport``,
+        ``enable_task_events`` and ``name`` are accepted and change nothing."""
+        unknown = set(options) - _METHOD_OPTIONS
+        if unknown:
+            raise TypeError(f"unknown method options: {', '.join(sorted(unknown))}")
+        n = _num_returns(options.get("num_returns", self._num_returns), self._name)
+        return ActorMethod(self._actor, self._name, n)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
-            f"actor methods cannot be called directly; use {self._name}.bind(...) in a graph "
-            f"or {self._name}.remote(...) for a one-off call"
+            f"Actor methods cannot be called directly. Instead of running "
+            f"'object.{self._name}()', try 'object.{self._name}.remote()' for a one-off "
+            f"call or 'object.{self._name}.bind()' in a graph."
         )
 
 
 class ActorHandle:
     """A live actor in its own worker process (Ray's ``ActorHandle``). Its methods are
-    attributes: ``handle.forward.bind(x)``."""
+    attributes: ``handle.forward.bind(x)``. A handle may be passed to other actors (as a
+    constructor or method argument): there its methods' ``.remote()`` calls run through
+    this driver."""
 
-    def __init__(self, native: Any, class_name: str) -> None:
+    def __init__(self, native: Any, class_name: str, methods: _MethodTable) -> None:
         self._native = native
         self._class_name = class_name
+        self._methods = methods
         self._calls = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"adag-call-{native.name}"
         )
+        _handles[native.name] = weakref.ref(self)
 
     def __getattr__(self, name: str) -> ActorMethod:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
-        return ActorMethod(self, name)
+        entry = self.__dict__.get("_methods", {}).get(name)
+        if entry is None:
+            raise AttributeError(
+                f"'ActorHandle' object has no attribute '{name}': class {self._class_name} "
+                f"has no method {name} (its methods: {', '.join(sorted(self._methods)) or 'none'})"
+            )
+        return ActorMethod(self, name, entry[1])
 
     def __repr__(self) -> str:
         return (
             f"ActorHandle({self._class_name}, {self._native.name}, "
             f"node={self._native.host}, pid={self._native.pid})"
+        )
+
+    def __reduce__(self) -> Any:
+        from . import _calls
+
+        return (
+            _calls.remote_handle,
+            (
+                self._native.name,
+                self._class_name,
+                {k: v[1] for k, v in self._methods.items()},
+                _calls.address(),
+            ),
         )
 
     @property
@@ -150,13 +402,14 @@ class ActorHandle:
     def _pid(self) -> Optional[int]:
         return self._native.pid
 
-    def _submit(self, method: str, args: tuple, kwargs: Dict[str, Any]) -> ObjectRef:
+    def _submit(
+        self, method: str, args: tuple, kwargs: Dict[str, Any], num_returns: int = 1
+    ) -> Any:
         from ._dag import _template
 
         def run() -> Any:
-            resolved = [a.get() if isinstance(a, ObjectRef) else a for a in args]
-            kw = {k: (v.get() if isinstance(v, ObjectRef) else v) for k, v in kwargs.items()}
-            template, deps = _template(resolved, kw)
+            resolved, kw = _resolve(args, kwargs)
+            template, deps = _template(resolved, kw, num_returns)
             if deps:
                 raise TypeError(
                     f"{method}.remote(...) takes values (or ObjectRefs), not graph nodes; "
@@ -164,10 +417,18 @@ class ActorHandle:
                 )
             return self._native.call(method, template)
 
-        return ObjectRef(self._calls.submit(run))
+        for v in itertools.chain(args, kwargs.values()):
+            if _is_compiled_ref(v):
+                raise TypeError("CompiledDAGRef cannot be used as Ray task/actor argument.")
+        ref = ObjectRef(self._calls.submit(run))
+        return _split(ref, num_returns) if num_returns > 1 else ref
 
     def _kill(self) -> None:
         self._native.kill()
+
+
+#: Live handles by actor name, for calls that other actors make through this driver.
+_handles: "Dict[str, weakref.ref[ActorHandle]]" = {}
 
 
 class ActorClass(Generic[T]):
@@ -176,6 +437,7 @@ class ActorClass(Generic[T]):
     def __init__(self, cls: type, options: Dict[str, Any]) -> None:
         self._cls = cls
         self._options = dict(options)
+        self._methods: Optional[_MethodTable] = None
         self.__doc__ = cls.__doc__
         self.__name__ = cls.__name__
         self.__qualname__ = cls.__qualname__
@@ -200,51 +462,255 @@ class ActorClass(Generic[T]):
     def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
         """Start the actor: ``cls(*args, **kwargs)`` in a new worker process, on the host
         its options name. Raises :class:`~adag.exceptions.ActorDiedError` if the
-        constructor fails (or the host is lost meanwhile), and
+        constructor fails (with its traceback) or the host is lost meanwhile, and
         :class:`~adag.exceptions.PlacementError` if the host it is placed on is not live."""
         from . import cluster
-        from ._dag import _dumps_code
 
         _ensure_worker_command()
+        if self._methods is None:
+            self._methods = _method_table(self._cls)
+        try:
+            inspect.signature(self._cls).bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(
+                f"{e}. The constructor of {self.__name__} has a signature "
+                f"`{inspect.signature(self._cls)}`, but the given arguments to `remote` "
+                f"doesn't match. args: {args}. kwargs: {kwargs}."
+            ) from None
+        except ValueError:
+            pass
+        args, kwargs = _resolve(args, kwargs)
         name = self._options.get("name") or f"{self._cls.__name__}#{next(_numbers)}"
         host = cluster.placement(name, self._options)
         native = _native.spawn(
-            _dumps_code(self._cls),
+            _dumps_class(self._cls),
             tuple(args),
             dict(kwargs),
             [p for p in sys.path if isinstance(p, str)],
             name,
             host,
         )
-        return ActorHandle(native, self._cls.__name__)
+        return ActorHandle(native, self._cls.__name__, self._methods)
+
+    def bind(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            "Compiled DAGs can only bind methods to an actor that is already created with "
+            f"Actor.remote(): start the actor with {self.__name__}.remote(...) and bind its "
+            "methods"
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
-            f"actor class {self.__name__} cannot be instantiated directly; "
-            f"use {self.__name__}.remote(...)"
+            f"Actors cannot be instantiated directly. Instead of '{self.__name__}()', use "
+            f"'{self.__name__}.remote()'."
+        )
+
+
+class _TaskWorker:
+    """The actor behind remote functions: runs one task at a time in its worker process."""
+
+    def run(self, function: bytes, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        return pickle.loads(function)(*args, **kwargs)
+
+
+class _TaskPool:
+    """Worker processes for remote functions: one per thread of a pool as large as the
+    machine's cores, started when first needed and kept for later tasks."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="adag-task"
+        )
+        self._workers: List[ActorHandle] = []
+
+    def submit(self, function: bytes, name: str, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        from ._dag import _template
+
+        def run() -> Any:
+            worker = getattr(self._local, "worker", None)
+            if worker is None:
+                worker = ActorClass(_TaskWorker, {"name": f"task-worker#{next(_numbers)}"}).remote()
+                self._local.worker = worker
+                self._workers.append(worker)
+            resolved, kw = _resolve(args, kwargs)
+            template, _ = _template((function, resolved, kw), {})
+            return worker._native.call("run", template)
+
+        return self._pool.submit(run)
+
+
+_tasks: Optional[_TaskPool] = None
+
+
+class RemoteFunction:
+    """A function made remote by ``@adag.remote`` (Ray's ``RemoteFunction``):
+    ``.remote(*args)`` runs it once in a worker process and returns an :class:`ObjectRef`
+    (a list of ``num_returns`` refs)."""
+
+    def __init__(self, function: Any, options: Dict[str, Any]) -> None:
+        self._function = function
+        self._options = dict(options)
+        self._pickled: Optional[bytes] = None
+        self.__name__ = getattr(function, "__name__", "function")
+        self.__doc__ = getattr(function, "__doc__", None)
+
+    def options(self, **options: Any) -> "RemoteFunction":
+        """The same function with other options: ``num_returns``; Ray's resource options
+        are accepted and ignored."""
+        unknown = set(options) - _TASK_OPTIONS
+        if unknown:
+            raise TypeError(f"unknown task options: {', '.join(sorted(unknown))}")
+        merged = dict(self._options)
+        merged.update(options)
+        return RemoteFunction(self._function, merged)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the function once in a worker process."""
+        try:
+            inspect.signature(self._function).bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(
+                f"{e}. The function `{self.__name__}` has a signature "
+                f"`{inspect.signature(self._function)}`, but the given arguments to `remote` "
+                f"doesn't match. args: {args}. kwargs: {kwargs}."
+            ) from None
+        except ValueError:
+            pass
+        n = _num_returns(self._options.get("num_returns", 1), self.__name__)
+        if self._pickled is None:
+            from ._dag import _dumps_code
+
+            self._pickled = _dumps_code(self._function)
+        ref = RemoteFunction.submit(self._pickled, args, kwargs, self.__name__)
+        return _split(ref, n) if n > 1 else ref
+
+    @staticmethod
+    def submit(function: Any, args: tuple, kwargs: Dict[str, Any], name: str = "") -> ObjectRef:
+        global _tasks
+        for v in itertools.chain(args, kwargs.values()):
+            if _is_compiled_ref(v):
+                raise TypeError("CompiledDAGRef cannot be used as Ray task/actor argument.")
+        if not isinstance(function, bytes):
+            from ._dag import _dumps_code
+
+            name = getattr(function, "__name__", "")
+            function = _dumps_code(function)
+        _ensure_worker_command()
+        with _lock:
+            if _tasks is None:
+                _tasks = _TaskPool()
+        return ObjectRef(_tasks.submit(function, name, args, kwargs))
+
+    def bind(self, *args: Any, **kwargs: Any) -> Any:
+        """A node of a graph run by ``dag.execute()`` without compiling (a compiled graph
+        takes actor methods only, as Ray's)."""
+        from ._dag import FunctionNode
+
+        return FunctionNode(self._function, args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "Remote functions cannot be called directly. Instead of running "
+            f"'{self.__name__}()', try '{self.__name__}.remote()'."
         )
 
 
 def remote(*args: Any, **options: Any) -> Any:
-    """Make a class an actor class (Ray's ``@ray.remote``): ``@adag.remote`` or
-    ``@adag.remote(num_gpus=1)``. Only classes: functions have no place in a compiled graph."""
-    if len(args) == 1 and not options and isinstance(args[0], type):
-        return ActorClass(args[0], {})
+    """Ray's ``@ray.remote``: on a class, an actor class (``.remote()`` starts an actor in a
+    worker process of its own); on a function, a remote function (``.remote()`` runs it once
+    in a worker process). ``@adag.remote`` or ``@adag.remote(num_gpus=1, ...)``."""
+
+    def make(target: Any, opts: Dict[str, Any]) -> Any:
+        if isinstance(target, type):
+            return ActorClass(target, {}).options(**opts)
+        if callable(target):
+            return RemoteFunction(target, {}).options(**opts)
+        raise TypeError(
+            "The @adag.remote decorator must be applied to either a function or a class "
+            f"(got {type(target).__name__})"
+        )
+
+    if len(args) == 1 and not options:
+        return make(args[0], {})
     if args:
-        raise TypeError("@adag.remote takes a class, or keyword options only")
-
-    def wrap(cls: type) -> ActorClass:
-        if not isinstance(cls, type):
-            raise TypeError("@adag.remote applies to classes (actors) only")
-        return ActorClass(cls, {}).options(**options)
-
-    return wrap
+        raise TypeError("@adag.remote takes a class or a function, or keyword options only")
+    return lambda target: make(target, options)
 
 
 def method(*args: Any, **options: Any) -> Any:
-    """Ray's ``@ray.method``: accepted for compatibility (``num_returns`` must be 1)."""
-    if options.get("num_returns", 1) != 1:
-        raise ValueError("num_returns other than 1 is not supported by adag's Python API")
-    if len(args) == 1 and callable(args[0]):
-        return args[0]
-    return lambda f: f
+    """Ray's ``@ray.method``: ``@adag.method(num_returns=2)`` on an actor's method makes it
+    return two values (``a, b = actor.m.bind(x)``: two nodes); Ray's other options are
+    accepted and change nothing."""
+    if args and (len(args) != 1 or not callable(args[0]) or options):
+        raise ValueError(
+            "The @adag.method decorator must be applied using at least one keyword "
+            "argument, e.g. @adag.method(num_returns=2)"
+        )
+    unknown = set(options) - _METHOD_OPTIONS
+    if unknown:
+        raise ValueError(f"unknown method options: {', '.join(sorted(unknown))}")
+    n = _num_returns(options.get("num_returns", 1), "@adag.method")
+
+    def mark(f: Any) -> Any:
+        f.__ray_num_returns__ = n
+        return f
+
+    if args:
+        return mark(args[0])
+    return mark
+
+
+def wait(
+    object_refs: Any,
+    *,
+    num_returns: int = 1,
+    timeout: Optional[float] = None,
+    fetch_local: bool = True,
+) -> Tuple[List[ObjectRef], List[ObjectRef]]:
+    """Ray's ``ray.wait``: ``(ready, not_ready)`` once ``num_returns`` of ``object_refs``
+    are ready or ``timeout`` seconds passed, each list in the order given. One-off calls,
+    tasks and puts only: a compiled graph's refs are refused (as in Ray)."""
+    if not isinstance(object_refs, list):
+        raise TypeError(
+            "wait() expected a list of ray.ObjectRef or ray.ObjectRefGenerator, got "
+            f"{type(object_refs)}"
+        )
+    for r in object_refs:
+        if not isinstance(r, ObjectRef):
+            raise TypeError(
+                "wait() expected a list of ray.ObjectRef or ray.ObjectRefGenerator, got list "
+                f"containing {type(r)}"
+            )
+    if num_returns <= 0:
+        raise ValueError("Invalid number of objects to return %d." % num_returns)
+    if num_returns > len(object_refs):
+        raise ValueError(
+            "num_returns cannot be greater than the number of objects provided to ray.wait."
+        )
+    if len({id(r) for r in object_refs}) != len(object_refs):
+        raise ValueError("Wait requires a list of unique object refs.")
+    futures = {r._future: r for r in object_refs}
+    pending = set(futures)
+    done: set = set()
+    deadline = None if timeout is None else (_now() + max(0.0, timeout))
+    while len(done) < num_returns and pending:
+        left = None if deadline is None else max(0.0, deadline - _now())
+        got, pending = concurrent.futures.wait(
+            pending, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED
+        )
+        done |= got
+        if left is not None and left <= 0:
+            break
+    ready: List[ObjectRef] = []
+    for r in object_refs:
+        if r._future in done and len(ready) < num_returns:
+            ready.append(r)
+    not_ready = [r for r in object_refs if all(r is not x for x in ready)]
+    return ready, not_ready
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()

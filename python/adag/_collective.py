@@ -20,7 +20,8 @@ import functools
 import operator
 from typing import Any, List, Sequence
 
-_PREFIX = "__adag_collective__."
+#: Collective steps run from `adag._steps` (see `adag._dag.STEP_PREFIX`).
+_PREFIX = "__adag_step__."
 
 
 class ReduceOp(enum.Enum):
@@ -120,6 +121,8 @@ class _Collective:
         nodes = list(inputs)
         if not nodes:
             raise ValueError(f"{self._name}.bind() needs at least one input node")
+        if not isinstance(op, ReduceOp):
+            raise ValueError(f"Unexpected operation: {op}")
         actors = []
         for n in nodes:
             if not isinstance(n, ClassMethodNode):
@@ -127,6 +130,16 @@ class _Collective:
             if any(n._actor is a for a in actors):
                 raise ValueError(f"{self._name}.bind(): every input must be on a distinct actor")
             actors.append(n._actor)
+        if transport is not None and not isinstance(transport, str):
+            members = transport.get_actor_handles()
+            names = sorted(getattr(a, "_actor_name", str(a)) for a in members)
+            ours = sorted(a._actor_name for a in actors)
+            if names != ours:
+                raise ValueError(
+                    "The passed-in communicator must have the same set of actors as the "
+                    f"collective operation. The passed-in communicator has actors {names} "
+                    f"while the collective operation has actors {ours}."
+                )
         out = []
         for rank, n in enumerate(nodes):
             kwargs = {}
@@ -135,7 +148,10 @@ class _Collective:
             if self._name == "reducescatter":
                 kwargs["rank"] = rank
             args = _packed(n._actor, nodes)
-            out.append(ClassMethodNode(n._actor, _PREFIX + self._name, tuple(args), kwargs))
+            label = self._name if self._name == "allgather" else f"{self._name}.{ReduceOp(op).name.lower()}"
+            out.append(
+                ClassMethodNode(n._actor, _PREFIX + self._name, tuple(args), kwargs, label=label)
+            )
         return out
 
 
@@ -147,7 +163,9 @@ def _packed(actor: Any, nodes: Sequence[Any]) -> List[Any]:
     level = list(nodes)
     while len(level) > _MAX_NODE_ARGS:
         level = [
-            ClassMethodNode(actor, _PREFIX + "pack", tuple(level[i : i + _MAX_NODE_ARGS]), {})
+            ClassMethodNode(
+                actor, _PREFIX + "pack", tuple(level[i : i + _MAX_NODE_ARGS]), {}, label="pack"
+            )
             for i in range(0, len(level), _MAX_NODE_ARGS)
         ]
     return level

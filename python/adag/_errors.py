@@ -11,8 +11,8 @@ from . import exceptions as ex
 
 # The Rust option names in adag's messages, as this package spells them.
 _OPTIONS = {
-    "submit_timeout": "experimental_compile(_submit_timeout=...)",
-    "get_timeout": "the timeout= of adag.get(ref, timeout=...)",
+    "submit_timeout": "experimental_compile(_submit_timeout=...) (or RAY_CGRAPH_submit_timeout)",
+    "get_timeout": "the timeout= of adag.get(ref, timeout=...) (or RAY_CGRAPH_get_timeout)",
     "max_inflight_executions": "experimental_compile(_max_inflight_executions=...)",
     "max_buffered_results": "experimental_compile(_max_buffered_results=...)",
     "buffer_size_bytes": "experimental_compile(_buffer_size_bytes=...)",
@@ -54,14 +54,14 @@ _DUAL: dict = {}
 
 
 def _dual_class(cause_type: type) -> Optional[type]:
-    """``TaskError(<cause type>)``: an error that is both (Ray's ``as_instanceof_cause``)."""
+    """``RayTaskError(<cause type>)``: an error that is both (Ray's ``as_instanceof_cause``)."""
     if issubclass(cause_type, ex.TaskError):
         return None
     cls = _DUAL.get(cause_type)
     if cls is None:
         try:
             cls = type(
-                f"TaskError({cause_type.__name__})",
+                f"RayTaskError({cause_type.__name__})",
                 (ex.TaskError, cause_type),
                 {"__init__": ex.TaskError.__init__, "__str__": ex.TaskError.__str__},
             )
@@ -94,11 +94,22 @@ def task_error(actor: str, method: str, text: str, detail: Optional[str]) -> ex.
     return err
 
 
+#: Ray's own first words for each kind of error, kept so that code matching Ray's text
+#: keeps working; adag's explanation (what, where, what to do) follows.
+_RAY_WORDS = {
+    "actor_died": "The actor died unexpectedly before finishing this task.",
+    "closed": "Channel closed.",
+}
+
+
 def from_native(kind: str, message: str, fields: tuple) -> BaseException:
     """The exception for an error of the native module (see ``driver.rs``, ``to_py_err``)."""
     message = _pythonic(message)
     if kind == "task":
         return task_error(*fields)
+    words = _RAY_WORDS.get(kind)
+    if words is not None and not message.startswith(words):
+        message = f"{words} {message}"
     cls = {
         "actor_died": ex.ActorDiedError,
         "timeout": ex.GetTimeoutError,

@@ -128,12 +128,14 @@ impl PyFailure {
 }
 
 /// A call template as pickled by `adag/_dag.py`: positional constants, `(position, node
-/// argument)` pairs, keyword constants, `(keyword, node argument)` pairs.
+/// argument)` pairs, keyword constants, `(keyword, node argument)` pairs, and how many
+/// values the method returns (`num_returns`).
 type Template<'py> = (
     Bound<'py, PyList>,
     Vec<(usize, usize)>,
     Option<Bound<'py, PyDict>>,
     Vec<(String, usize)>,
+    usize,
 );
 
 /// The worker's view of one bound call, built the first time it runs.
@@ -148,6 +150,9 @@ struct Bound_ {
     /// The arguments are exactly the node arguments, in order (`method(a, b)` of nodes `a`,
     /// `b`): the call is made straight from the values.
     plain: bool,
+    /// The method returns this many values (Ray's `num_returns`): checked on every call when
+    /// more than one.
+    num_returns: usize,
 }
 
 /// A Python actor: an instance of the user's class in this worker process.
@@ -157,6 +162,10 @@ pub struct PyActor {
 }
 
 fn spawn_error(py: Python<'_>, e: PyErr) -> String {
+    // The traceback lives on the error, not yet on its value: format_exception reads it there.
+    if let Some(tb) = e.traceback(py) {
+        let _ = e.value(py).setattr("__traceback__", tb);
+    }
     let tb = py
         .import("adag._errors")
         .and_then(|m| m.getattr("format_exception"))
@@ -204,6 +213,7 @@ impl PyActor {
                     method.call1(PyTuple::new(py, args)?)?
                 }
             };
+            check_returns(&out, b.num_returns)?;
             return dumps(py, &out);
         }
         let mut args: Vec<PyObject> = b.args.iter().map(|a| a.clone_ref(py)).collect();
@@ -226,23 +236,47 @@ impl PyActor {
             }
         };
         let out = method.call(args, kwargs.as_ref())?;
+        check_returns(&out, b.num_returns)?;
         dumps(py, &out)
     }
 }
 
+/// A method with `num_returns` of `n` > 1 must return `n` values (Ray's check, with Ray's
+/// first words).
+fn check_returns(out: &Bound<'_, PyAny>, n: usize) -> PyResult<()> {
+    if n <= 1 {
+        return Ok(());
+    }
+    match out.len() {
+        Ok(got) if got == n => Ok(()),
+        Ok(got) => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "Expected {n} outputs, but got {got} outputs: the method has num_returns={n}, so it \
+             returns a tuple or list of {n} values (or change num_returns)"
+        ))),
+        Err(_) => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "Expected {n} outputs, but got one {}: the method has num_returns={n}, so it returns \
+             a tuple or list of {n} values (or change num_returns)",
+            out.get_type()
+                .name()
+                .map_or_else(|_| "value".into(), |t| t.to_string())
+        ))),
+    }
+}
+
 fn prepare(instance: &PyObject, py: Python<'_>, spec: &CallSpec) -> PyResult<Bound_> {
-    // Collectives run a function of `adag._collective` on the actor (see that module).
+    // adag's own steps (the values of a `num_returns` method, collectives) are functions of
+    // `adag._steps` (see that module).
     let name = spec.body.method.as_str();
-    let method = match name.strip_prefix(COLLECTIVE_PREFIX) {
-        Some(f) => py.import("adag._collective")?.getattr(f)?,
+    let method = match name.strip_prefix(STEP_PREFIX) {
+        Some(f) => py.import("adag._steps")?.getattr(f)?,
         None => instance.bind(py).getattr(name)?,
     };
     let t = py
         .import("pickle")?
         .getattr("loads")?
         .call1((pyo3::types::PyBytes::new(py, &spec.body.template),))?;
-    // (args, arg_slots, kwargs or None, kw_slots): see adag/_dag.py.
-    let (args, arg_slots, kwargs, kw_slots): Template<'_> = t.extract()?;
+    // (args, arg_slots, kwargs or None, kw_slots, num_returns): see adag/_dag.py.
+    let (args, arg_slots, kwargs, kw_slots, num_returns): Template<'_> = t.extract()?;
     let args: Vec<PyObject> = args.iter().map(Bound::unbind).collect();
     let plain = kwargs.is_none()
         && kw_slots.is_empty()
@@ -258,6 +292,7 @@ fn prepare(instance: &PyObject, py: Python<'_>, spec: &CallSpec) -> PyResult<Bou
         kwargs: kwargs.map(Bound::unbind),
         kw_slots,
         plain,
+        num_returns,
     })
 }
 
@@ -296,9 +331,11 @@ impl PyActor {
                         sys_path.call_method1("insert", (0, p))?;
                     }
                 }
+                // The class, with the source of code pickled by value registered for
+                // tracebacks (`adag._actor._load_class`).
                 let class = py
-                    .import("pickle")?
-                    .getattr("loads")?
+                    .import("adag._actor")?
+                    .getattr("_load_class")?
                     .call1((pyo3::types::PyBytes::new(py, &init.class),))?;
                 let (args, kwargs): (Bound<'_, PyTuple>, Bound<'_, PyDict>) =
                     loads(py, &init.args)?.bind(py).extract()?;
@@ -397,8 +434,8 @@ impl PyActor {
     }
 }
 
-/// The method name prefix of a collective's step (`adag/_collective.py`).
-pub const COLLECTIVE_PREFIX: &str = "__adag_collective__.";
+/// The method name prefix of adag's own steps, functions of `adag._steps` (`adag/_dag.py`).
+pub const STEP_PREFIX: &str = "__adag_step__.";
 
 /// The most node arguments one bound call may take.
 pub const MAX_NODE_ARGS: usize = 7;

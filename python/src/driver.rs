@@ -257,8 +257,9 @@ enum Selector {
 }
 
 /// One method node as `adag/_dag.py` describes it: the actor, the Python method, the pickled
-/// call template, and the node arguments (`a >= 0`: node `a`; `a < 0`: input part `-a - 1`).
-type NodeSpec = (Py<NativeActor>, String, Vec<u8>, Vec<i64>);
+/// call template, the node arguments (`a >= 0`: node `a`; `a < 0`: input part `-a - 1`), and
+/// what people see it called (the Python method's name).
+type NodeSpec = (Py<NativeActor>, String, Vec<u8>, Vec<i64>, String);
 
 type Graph = CompiledGraph<PyInput, Vec<Node<PyValue>>>;
 
@@ -266,10 +267,22 @@ type Graph = CompiledGraph<PyInput, Vec<Node<PyValue>>>;
 #[pyclass(module = "adag._native", frozen)]
 pub struct NativeGraph {
     graph: Mutex<Option<Arc<Graph>>>,
+    /// The graph after teardown, for its final statistics and timeline.
+    last: Mutex<Option<Arc<Graph>>>,
     parts: Vec<Selector>,
     asyncio: bool,
     /// `execute` returns a list (a `MultiOutputNode`), not one ref.
     multi: bool,
+    /// How many positional arguments `execute` takes, and which keywords it needs (Ray's
+    /// checks).
+    positional: usize,
+    keywords: Vec<String>,
+    /// How many outputs the graph has.
+    outputs: usize,
+    /// How long a ref's `get()` waits by default.
+    get_timeout: Duration,
+    /// The graph's id as `str(ref)` shows it (`CompiledDAG.get_id()`).
+    id: Arc<str>,
 }
 
 fn options_from(opts: &Bound<'_, PyDict>) -> PyResult<CompileOptions> {
@@ -312,9 +325,13 @@ impl NativeGraph {
         outputs: Vec<usize>,
         multi: bool,
         options: Bound<'_, PyDict>,
+        positional: usize,
+        keywords: Vec<String>,
+        id: String,
     ) -> PyResult<Self> {
         let opts = options_from(&options)?;
         let asyncio = opts.enable_asyncio;
+        let get_timeout = opts.get_timeout;
         let mut selectors = Vec::with_capacity(parts.len());
         for p in &parts {
             let kind: String = p.get_item(0)?.extract()?;
@@ -331,7 +348,7 @@ impl NativeGraph {
             .map(|j| input.field(&format!("part{j}"), move |i: &PyInput| i.parts[j].clone()))
             .collect();
         let mut built: Vec<Node<PyValue>> = Vec::with_capacity(nodes.len());
-        for (actor, method, template, args) in nodes {
+        for (actor, method, template, args, label) in nodes {
             if args.len() > MAX_NODE_ARGS {
                 return Err(PyValueError::new_err(format!(
                     "{method}.bind(...) takes {} arguments that are nodes; at most {MAX_NODE_ARGS} are supported",
@@ -354,7 +371,13 @@ impl NativeGraph {
             }
             let callee = format!("call{}", erased.len() - 1);
             let actor = actor.get();
-            built.push(actor.handle.core().bind::<PyValue>(&callee, erased));
+            built.push(
+                actor
+                    .handle
+                    .core()
+                    .bind::<PyValue>(&callee, erased)
+                    .label(label),
+            );
         }
         let outs = outputs
             .iter()
@@ -370,9 +393,15 @@ impl NativeGraph {
             .map_err(|e| to_py_err(py, e))?;
         Ok(NativeGraph {
             graph: Mutex::new(Some(Arc::new(graph))),
+            last: Mutex::new(None),
             parts: selectors,
             asyncio,
             multi,
+            positional,
+            keywords,
+            outputs: outputs.len(),
+            get_timeout,
+            id: id.into(),
         })
     }
 
@@ -393,12 +422,15 @@ impl NativeGraph {
                 },
             ));
         }
-        let g = self.live(py)?;
         let input = self.input(py, &args, kwargs.as_ref())?;
-        let refs = py
-            .allow_threads(|| g.execute(input))
-            .map_err(|e| to_py_err(py, submit_error(e)))?;
-        self.wrap(py, refs)
+        let g = self.live(py)?;
+        match py.allow_threads(|| g.execute(input)) {
+            Ok(refs) => self.wrap(py, refs),
+            // An actor died before this execution could run: as in Ray, the execution's refs
+            // raise the death when read (the graph is already torn down).
+            Err(e @ Error::ActorDied { .. }) => self.failed(py, to_py_err(py, e)),
+            Err(e) => Err(to_py_err(py, submit_error(e))),
+        }
     }
 
     /// Submit one execution of an `enable_asyncio` graph if there is room now, without
@@ -454,6 +486,9 @@ impl NativeGraph {
     fn teardown(&self, py: Python<'_>) -> PyResult<()> {
         let g = self.graph.lock().take();
         if let Some(g) = g {
+            // Kept for `stats()` and `timeline()` after teardown (their final counters); it
+            // holds no channel or thread once torn down, and goes with this object.
+            *self.last.lock() = Some(g.clone());
             py.allow_threads(|| g.teardown())
                 .map_err(|e| to_py_err(py, e))?;
         }
@@ -464,12 +499,92 @@ impl NativeGraph {
     fn visualize(&self, py: Python<'_>) -> PyResult<String> {
         Ok(self.live(py)?.visualize())
     }
+
+    /// The graph's statistics (`CompiledGraph::stats`) as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = self.graph.lock().clone();
+        let Some(g) = g.or_else(|| self.last.lock().clone()) else {
+            return Err(to_py_err(py, Error::TornDown { reason: None }));
+        };
+        let s = py.allow_threads(|| g.stats());
+        let d = PyDict::new(py);
+        d.set_item("graph", s.graph)?;
+        d.set_item("executions_submitted", s.executions_submitted)?;
+        d.set_item("executions_in_flight", s.executions_in_flight)?;
+        d.set_item("results_buffered", s.results_buffered)?;
+        let edges = pyo3::types::PyList::empty(py);
+        for e in &s.edges {
+            let x = PyDict::new(py);
+            x.set_item("edge", e.edge)?;
+            x.set_item("label", &e.label)?;
+            x.set_item("messages", e.messages)?;
+            x.set_item("bytes", e.bytes)?;
+            x.set_item("growths", e.growths)?;
+            edges.append(x)?;
+        }
+        d.set_item("edges", edges)?;
+        let actors = pyo3::types::PyList::empty(py);
+        for a in &s.actors {
+            let x = PyDict::new(py);
+            x.set_item("actor", &a.actor)?;
+            x.set_item("pid", a.pid)?;
+            x.set_item("executions", a.executions)?;
+            x.set_item("busy_seconds", a.busy.as_secs_f64())?;
+            x.set_item("log_lines_dropped", a.log_lines_dropped)?;
+            x.set_item("events_dropped", a.events_dropped)?;
+            x.set_item("reported", a.reported)?;
+            actors.append(x)?;
+        }
+        d.set_item("actors", actors)?;
+        Ok(d)
+    }
+
+    /// Every operation recorded (`CompiledGraph::timeline`), one dict each.
+    fn timeline<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+        let g = self.graph.lock().clone();
+        let Some(g) = g.or_else(|| self.last.lock().clone()) else {
+            return Err(to_py_err(py, Error::TornDown { reason: None }));
+        };
+        let t = py.allow_threads(|| g.timeline());
+        let out = pyo3::types::PyList::empty(py);
+        for e in &t.events {
+            let x = PyDict::new(py);
+            x.set_item("actor", &e.actor)?;
+            x.set_item("pid", e.pid)?;
+            x.set_item("kind", format!("{:?}", e.kind).to_lowercase())?;
+            x.set_item("name", &e.name)?;
+            x.set_item("op", e.op)?;
+            x.set_item("execution", e.exec)?;
+            x.set_item("start_ns", e.start_ns)?;
+            x.set_item("end_ns", e.end_ns)?;
+            out.append(x)?;
+        }
+        Ok(out)
+    }
+
+    /// Write the timeline as Chrome-trace JSON.
+    fn write_timeline(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
+        let g = self.graph.lock().clone();
+        let Some(g) = g.or_else(|| self.last.lock().clone()) else {
+            return Err(to_py_err(py, Error::TornDown { reason: None }));
+        };
+        py.allow_threads(|| g.write_timeline(path))
+            .map_err(|e| to_py_err(py, e))
+    }
 }
 
 impl NativeGraph {
     fn wrap(&self, py: Python<'_>, refs: Vec<CompiledRef<PyValue>>) -> PyResult<PyObject> {
+        let multi = self.multi;
         let mut refs = refs.into_iter().map(|r| CompiledDAGRef {
+            name: RefName {
+                graph: self.id.clone(),
+                execution: r.execution(),
+                channel: multi.then(|| r.output()),
+            },
             r: Mutex::new(Some(r)),
+            failed: Mutex::new(None),
+            default_timeout: self.get_timeout,
             asyncio: self.asyncio,
             polled: Mutex::new(None),
         });
@@ -485,6 +600,33 @@ impl NativeGraph {
         Ok(Bound::new(py, one)?.into_any().unbind())
     }
 
+    /// The refs of an execution that could not run: each raises `err` when read.
+    fn failed<'py>(&self, py: Python<'py>, err: PyErr) -> PyResult<PyObject> {
+        let n = self.outputs;
+        let one = |py: Python<'py>| {
+            Bound::new(
+                py,
+                CompiledDAGRef {
+                    name: RefName {
+                        graph: self.id.clone(),
+                        execution: u64::MAX,
+                        channel: None,
+                    },
+                    r: Mutex::new(None),
+                    failed: Mutex::new(Some(err.clone_ref(py))),
+                    default_timeout: self.get_timeout,
+                    asyncio: self.asyncio,
+                    polled: Mutex::new(None),
+                },
+            )
+        };
+        if self.multi {
+            let list = (0..n).map(|_| one(py)).collect::<PyResult<Vec<_>>>()?;
+            return Ok(pyo3::types::PyList::new(py, list)?.into_any().unbind());
+        }
+        Ok(one(py)?.into_any().unbind())
+    }
+
     fn live(&self, py: Python<'_>) -> PyResult<Arc<Graph>> {
         self.graph
             .lock()
@@ -498,19 +640,30 @@ impl NativeGraph {
         args: &Bound<'_, PyTuple>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyInput> {
+        // Ray's checks, with Ray's words: the positional count, then each keyword.
+        if args.len() != self.positional {
+            return Err(PyValueError::new_err(format!(
+                "dag.execute() or dag.execute_async() must be called with {} positional args, got {}{}",
+                self.positional,
+                args.len(),
+                if self.positional == 1 && self.parts.iter().any(|p| matches!(p, Selector::Whole)) {
+                    " (the graph reads the InputNode itself: pass one value; use inp[i] and inp.key for several)"
+                } else {
+                    " (one for each inp[i] up to the highest i the graph reads)"
+                }
+            )));
+        }
+        for k in &self.keywords {
+            if !kwargs.is_some_and(|kw| kw.contains(k).unwrap_or(false)) {
+                return Err(PyValueError::new_err(format!(
+                    "dag.execute() or dag.execute_async() must be called with kwarg `{k}` (the graph reads inp.{k})"
+                )));
+            }
+        }
         let mut parts = Vec::with_capacity(self.parts.len());
         for p in &self.parts {
             let obj = match p {
-                Selector::Whole => {
-                    if args.len() != 1 || kwargs.is_some_and(|k| !k.is_empty()) {
-                        return Err(PyTypeError::new_err(format!(
-                            "the graph reads the InputNode itself, so execute() takes exactly one positional argument (got {} positional and {} keyword); use inp[i] and inp.key for several",
-                            args.len(),
-                            kwargs.map_or(0, |k| k.len())
-                        )));
-                    }
-                    args.get_item(0)?
-                }
+                Selector::Whole => args.get_item(0)?,
                 Selector::Index(i) => args.get_item(*i).map_err(|_| {
                     PyTypeError::new_err(format!(
                         "the graph reads inp[{i}], but execute() got {} positional arguments",
@@ -559,6 +712,40 @@ fn poll_once<F: std::future::Future>(f: F) -> Option<F::Output> {
     }
 }
 
+/// Wait for a ref's value (`timeout`: `None` for the graph's default), in slices of
+/// [`SIGNAL_SLICE`] with the GIL released, looking for signals between them: Ctrl-C ends a
+/// long wait within a slice with `KeyboardInterrupt` (the ref stays valid).
+fn wait_interruptibly(
+    py: Python<'_>,
+    r: &CompiledRef<PyValue>,
+    timeout: Option<Duration>,
+    default_timeout: Duration,
+) -> PyResult<adag::Result<PyValue>> {
+    let limit = timeout.unwrap_or(default_timeout);
+    let start = std::time::Instant::now();
+    loop {
+        let left = limit.saturating_sub(start.elapsed());
+        let slice = left.min(SIGNAL_SLICE);
+        match py.allow_threads(|| r.get_timeout(slice)) {
+            Err(Error::Timeout { .. }) if slice < left => py.check_signals()?,
+            // The whole budget is spent: the timeout names the full wait.
+            Err(Error::Timeout { .. }) => {
+                return Ok(py.allow_threads(|| r.get_timeout(Duration::ZERO)).map_err(
+                    |e| match e {
+                        Error::Timeout { what, hint, .. } => Error::Timeout {
+                            what,
+                            timeout: limit,
+                            hint,
+                        },
+                        e => e,
+                    },
+                ));
+            }
+            done => return Ok(done),
+        }
+    }
+}
+
 /// The value of a ref, or the values of a list of refs, in order (Ray's `ray.get`).
 ///
 /// `timeout` is in seconds for each ref (`None`: the graph's default for compiled-graph refs,
@@ -583,11 +770,31 @@ pub fn get(py: Python<'_>, refs: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyR
 /// `adag.get(ref)` or `ref.get()`.
 #[pyclass(module = "adag", frozen)]
 pub struct CompiledDAGRef {
+    name: RefName,
     r: Mutex<Option<CompiledRef<PyValue>>>,
+    /// The error this ref raises when read: its execution could not run (an actor died).
+    failed: Mutex<Option<PyErr>>,
+    /// How long `get()` waits without a timeout (the graph's `get_timeout`).
+    default_timeout: Duration,
     asyncio: bool,
     /// The ref's future while an event loop awaits it (`_poll`).
     polled: Mutex<Option<Polled>>,
 }
+
+/// What `str(ref)` shows (Ray's form).
+struct RefName {
+    graph: Arc<str>,
+    execution: u64,
+    /// The output, when the graph has several (`None` for one).
+    channel: Option<usize>,
+}
+
+/// Ray's words for a second `get`.
+const GOT_ONCE: &str =
+    "ray.get() can only be called once on a CompiledDAGRef, and it was already called.";
+
+/// How long one wait of a blocking `get` lasts before it looks for a signal (Ctrl-C).
+const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
 type RefFut = std::pin::Pin<Box<dyn std::future::Future<Output = adag::Result<PyValue>> + Send>>;
 
@@ -633,11 +840,14 @@ impl CompiledDAGRef {
     fn _poll(&self, py: Python<'_>) -> PyResult<(bool, PyObject)> {
         let mut polled = self.polled.lock();
         if polled.is_none() {
-            let r = self.r.lock().take().ok_or_else(|| {
-                PyValueError::new_err(
-                    "this ref's value was already retrieved; a ref yields its value once",
-                )
-            })?;
+            if let Some(err) = self.failed.lock().take() {
+                return Err(err);
+            }
+            let r = self
+                .r
+                .lock()
+                .take()
+                .ok_or_else(|| PyValueError::new_err(GOT_ONCE))?;
             let fd = rustix::event::eventfd(
                 0,
                 rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
@@ -678,16 +888,47 @@ impl CompiledDAGRef {
     }
 
     fn __repr__(&self) -> String {
-        match &*self.r.lock() {
-            Some(r) => format!("CompiledDAGRef({r})"),
-            None => "CompiledDAGRef(claimed)".into(),
+        let n = &self.name;
+        let channel = n
+            .channel
+            .map_or_else(|| "None".to_string(), |c| c.to_string());
+        if n.execution == u64::MAX {
+            return format!(
+                "CompiledDAGRef({}, execution_index=None, channel_index={channel})",
+                n.graph
+            );
         }
+        format!(
+            "CompiledDAGRef({}, execution_index={}, channel_index={channel})",
+            n.graph, n.execution
+        )
+    }
+
+    fn __str__(&self) -> String {
+        self.__repr__()
+    }
+
+    fn __copy__(&self) -> PyResult<()> {
+        Err(PyValueError::new_err("CompiledDAGRef cannot be copied."))
+    }
+
+    fn __deepcopy__(&self, _memo: &Bound<'_, PyAny>) -> PyResult<()> {
+        Err(PyValueError::new_err(
+            "CompiledDAGRef cannot be deep copied.",
+        ))
+    }
+
+    fn __reduce__(&self) -> PyResult<()> {
+        Err(PyValueError::new_err("CompiledDAGRef cannot be pickled."))
     }
 }
 
 impl CompiledDAGRef {
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyObject> {
         let timeout = secs("timeout", timeout)?;
+        if let Some(err) = self.failed.lock().take() {
+            return Err(err);
+        }
         if self.r.lock().is_none() {
             // An await began with `_poll` and was cancelled: finish its future here.
             if let Some(p) = self.polled.lock().take() {
@@ -697,23 +938,18 @@ impl CompiledDAGRef {
                 return loads(py, &v);
             }
         }
-        let r = self.r.lock().clone().ok_or_else(|| {
-            PyValueError::new_err(
-                "this ref's value was already retrieved; a ref yields its value once",
-            )
-        })?;
-        let asyncio = self.asyncio;
-        let got = py.allow_threads(|| {
-            if asyncio {
-                // A future of an asyncio graph, awaited from an executor's thread (asyncio's
-                // own `wait_for` bounds it).
-                return pollster::block_on(std::future::IntoFuture::into_future(r));
-            }
-            match timeout {
-                None => r.get(),
-                Some(t) => r.get_timeout(t),
-            }
-        });
+        let r = self
+            .r
+            .lock()
+            .clone()
+            .ok_or_else(|| PyValueError::new_err(GOT_ONCE))?;
+        let got = if self.asyncio {
+            // A future of an asyncio graph, awaited from an executor's thread (asyncio's own
+            // `wait_for` bounds it).
+            py.allow_threads(|| pollster::block_on(std::future::IntoFuture::into_future(r)))
+        } else {
+            wait_interruptibly(py, &r, timeout, self.default_timeout)?
+        };
         let v = got.map_err(|e| to_py_err(py, e))?;
         self.r.lock().take();
         loads(py, &v)

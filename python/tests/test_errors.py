@@ -167,6 +167,8 @@ def test_wrong_mode():
             asyncio.run(sync.execute_async(1))
     finally:
         sync.teardown()
+    with InputNode() as inp:
+        dag = a.echo.bind(inp)
     asyncio_graph = dag.experimental_compile(enable_asyncio=True)
     try:
         with pytest.raises(adag.WrongModeError, match="execute_async"):

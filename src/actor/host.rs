@@ -146,6 +146,7 @@ impl<A: Actor> Host<A> {
                     node,
                     method: m,
                     args,
+                    ..
                 } => {
                     let entry = method::<A>(m).map_err(|_| missing(m))?;
                     computes.insert(*node, entry.imp.build(&mut b, *node, args)?);
@@ -340,6 +341,9 @@ pub(crate) fn op_name(plan: &GraphPlan, op: &OpSpec) -> (&'static str, String) {
     match op {
         OpSpec::Read { edge } => ("read", label(edge)),
         OpSpec::Write { edge } => ("write", label(edge)),
+        OpSpec::Compute {
+            label: Some(label), ..
+        } => ("compute", label.clone()),
         OpSpec::Compute { method, .. } | OpSpec::Split { method, .. } => {
             ("compute", method.clone())
         }

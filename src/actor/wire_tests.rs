@@ -70,6 +70,7 @@ fn plan() -> GraphPlan {
                 OpSpec::Compute {
                     node: 7,
                     method: "f".into(),
+                    label: None,
                     args: vec![ArgSource::Edge(1), ArgSource::Const(vec![1, 2, 3])],
                 },
                 OpSpec::Write { edge: 7 },

@@ -405,6 +405,7 @@ fn build_plan(
             NodeKind::Method { method, args, .. } => ops.push(OpSpec::Compute {
                 node: *id,
                 method: method.clone(),
+                label: n.label.lock().clone(),
                 args: args
                     .iter()
                     .map(|a| match &a.0 {

@@ -175,6 +175,7 @@ mod tests {
         OpSpec::Compute {
             node,
             method: "f".into(),
+            label: None,
             args: args.iter().map(|a| ArgSource::Edge(*a)).collect(),
         }
     }

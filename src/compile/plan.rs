@@ -127,6 +127,8 @@ pub(crate) enum OpSpec {
     Compute {
         node: u64,
         method: String,
+        /// What the timeline calls it when the node has a label (`Node::label`).
+        label: Option<String>,
         args: Vec<ArgSource>,
     },
     /// Take element `index` of the tuple in `source`'s slot into the slot of edge `node`.

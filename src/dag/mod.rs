@@ -182,6 +182,10 @@ pub(crate) struct NodeInner {
     pub(crate) feed: Option<Box<dyn Any + Send + Sync>>,
     /// How a tensor value travels to readers on other actors (`with_tensor_transport`).
     pub(crate) transport: Mutex<Option<Transport>>,
+    /// What errors, pictures, the timeline and statistics call a method node instead of its
+    /// method (`Node::label`): the name of the user's own function when the method is a
+    /// dispatcher (the Python package's `call1`).
+    pub(crate) label: Mutex<Option<String>>,
 }
 
 impl NodeInner {
@@ -209,6 +213,7 @@ impl NodeInner {
             ty,
             feed,
             transport: Mutex::new(None),
+            label: Mutex::new(None),
         });
         if let Some(dag) = dag {
             dag.nodes.lock().push(Arc::downgrade(&node));
@@ -223,7 +228,9 @@ impl NodeInner {
             NodeKind::Input(InputKind::Index(i)) => format!("input[{i}]"),
             NodeKind::Input(InputKind::Field(k)) => format!("input.{k}"),
             NodeKind::Method { actor, method, .. } => {
-                format!("{}.{}#{}", actor.name(), method, self.id)
+                let label = self.label.lock();
+                let shown = label.as_deref().unwrap_or(method);
+                format!("{}.{}#{}", actor.name(), shown, self.id)
             }
             NodeKind::Split { source, index } => format!("{}[{}]", source.describe(), index),
             NodeKind::Collective { input, group, .. } => match input.actor() {
@@ -272,6 +279,35 @@ impl<T> Node<T> {
         self.inner.describe()
     }
 
+    /// Name this method node for people: errors, `visualize()`, the timeline and
+    /// statistics show `label` where they would show the method's name (the node still
+    /// calls its method). For dispatching methods, such as one that runs a function chosen
+    /// by an argument, this shows the function.
+    ///
+    /// ```
+    /// # use adag::{CompileOptions, Dag, Placement, Runtime};
+    /// # pub struct Run;
+    /// # #[adag::actor]
+    /// # impl Run {
+    /// #     pub fn new() -> Self { Run }
+    /// #     pub fn call(&mut self, x: u64) -> u64 { x * 2 }
+    /// # }
+    /// let rt = Runtime::new()?;
+    /// let a = rt.spawn::<Run>(Placement::Thread, ())?;
+    /// let dag = Dag::<u64>::new();
+    /// let y = a.call(dag.input()).label("double");
+    /// assert!(y.describe().contains(".double#"), "{}", y.describe());
+    /// let graph = dag.compile(y, CompileOptions::default())?;
+    /// assert!(graph.visualize().contains(".double#"));
+    /// assert_eq!(graph.execute(21)?.get()?, 42);
+    /// # Ok::<(), adag::Error>(())
+    /// ```
+    #[must_use = "the node is returned for chaining"]
+    pub fn label(self, label: impl Into<String>) -> Self {
+        *self.inner.label.lock() = Some(label.into());
+        self
+    }
+
     /// Forget the static type (for by-name binding and tools); checked again at compile time.
     pub fn erase(&self) -> AnyNode {
         AnyNode {
@@ -311,6 +347,13 @@ impl AnyNode {
     /// The node's name as errors show it.
     pub fn describe(&self) -> String {
         self.inner.describe()
+    }
+
+    /// [`Node::label`] of a by-name node.
+    #[must_use = "the node is returned for chaining"]
+    pub fn label(self, label: impl Into<String>) -> Self {
+        *self.inner.label.lock() = Some(label.into());
+        self
     }
 
     /// Split the tuple result of a by-name method into one node per element (the by-name

@@ -1,0 +1,5 @@
+"""Ray's ``ray.dag.compiled_dag_node``."""
+
+from .._dag import CompiledDAG
+
+__all__ = ["CompiledDAG"]

@@ -1,0 +1,5 @@
+"""Ray's ``ray.dag.context``."""
+
+from .._context import DAGContext
+
+__all__ = ["DAGContext"]

@@ -1,0 +1,5 @@
+"""Ray's ``ray.dag.dag_node``."""
+
+from .._dag import DAGNode
+
+__all__ = ["DAGNode"]

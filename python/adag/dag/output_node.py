@@ -1,0 +1,5 @@
+"""Ray's ``ray.dag.output_node``."""
+
+from .._dag import MultiOutputNode
+
+__all__ = ["MultiOutputNode"]
