@@ -72,7 +72,7 @@ from .exceptions import (
     TaskError,
     WrongModeError,
 )
-from . import dag, experimental, util  # noqa: E402  (Ray's module layout)
+from . import collective, dag, experimental, util  # noqa: E402  (Ray's module layout)
 
 _Ref = Union[CompiledDAGRef, ObjectRef, CompiledDAGFuture]
 
@@ -133,6 +133,7 @@ __all__ = [
     "RemoteFunction",
     "TaskError",
     "WrongModeError",
+    "collective",
     "dag",
     "exceptions",
     "experimental",

@@ -80,39 +80,64 @@ def _ensure_worker_command() -> None:
         _worker_command_set = True
 
 
+def _functions(cls: type) -> Any:
+    """``(class qualname, attribute, function)`` of the functions a class and its bases
+    define (methods, static and class methods, properties)."""
+    for klass in cls.__mro__:
+        if klass.__module__ == "builtins":
+            continue
+        for name, attr in vars(klass).items():
+            for fn in (getattr(attr, "__func__", attr), getattr(attr, "fget", None)):
+                if getattr(fn, "__code__", None) is not None:
+                    yield klass.__qualname__, name, fn
+
+
 def _dumps_class(cls: type) -> bytes:
-    """An actor's class for its worker, with the source of code that travels by value (a
-    class of ``__main__``, of a notebook, of ``exec``): the worker registers it with
-    ``linecache``, so tracebacks of its methods show their lines."""
+    """An actor's class for its worker, with where its code came from: cloudpickle carries a
+    class that travels by value (a class of ``__main__``, or one whose module name is bound
+    to something else, such as the ``@adag.remote`` wrapper) with its code renamed
+    ``<dynamic-code>``; the worker gives the code its file name back and registers the file's
+    lines with ``linecache`` where it cannot read them, so tracebacks show the source."""
     import cloudpickle
     import linecache
 
+    files: Dict[Tuple[str, str], str] = {}
     sources: Dict[str, List[str]] = {}
-    if cls.__module__ == "__main__" or cls.__module__ not in sys.modules:
-        for klass in cls.__mro__:
-            if klass.__module__ == "builtins":
-                continue
-            for attr in vars(klass).values():
-                fn = getattr(attr, "__func__", attr)
-                code = getattr(fn, "__code__", None)
-                name = getattr(code, "co_filename", None)
-                if not name or name in sources:
-                    continue
-                lines = linecache.getlines(name)
-                if lines and sum(len(x) for x in lines) < (4 << 20):
-                    sources[name] = lines
-    return cloudpickle.dumps((cls, sources))
+    for owner, name, fn in _functions(cls):
+        filename = fn.__code__.co_filename
+        files[(owner, name)] = filename
+        if filename not in sources:
+            lines = linecache.getlines(filename)
+            if lines and sum(len(x) for x in lines) < (4 << 20):
+                sources[filename] = lines
+    return cloudpickle.dumps((cls, files, sources))
+
+
+def _renamed(code: Any, filename: str) -> Any:
+    """``code`` and the code nested in it (closures, comprehensions) with ``filename``."""
+    consts = tuple(
+        _renamed(c, filename) if hasattr(c, "co_filename") else c for c in code.co_consts
+    )
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def _load_class(data: bytes) -> type:
-    """In a worker: the class of :func:`_dumps_class`, its sources registered where the
-    worker cannot read them itself."""
+    """In a worker: the class of :func:`_dumps_class`, its code named after its files and the
+    files' lines known to ``linecache``."""
     import linecache
 
-    cls, sources = pickle.loads(data)
+    cls, files, sources = pickle.loads(data)
+    for owner, name, fn in _functions(cls):
+        filename = files.get((owner, name))
+        if filename and fn.__code__.co_filename != filename:
+            try:
+                fn.__code__ = _renamed(fn.__code__, filename)
+            except (AttributeError, TypeError, ValueError):
+                pass
     for name, lines in sources.items():
-        if not linecache.getlines(name):
-            linecache.cache[name] = (sum(len(x) for x in lines), None, lines, name)
+        # The driver's copy is what the class was made from (the file may change or go): a
+        # cache entry without a time is never checked against the disk.
+        linecache.cache[name] = (sum(len(x) for x in lines), None, lines, name)
     return cls
 
 
@@ -403,7 +428,12 @@ class ActorHandle:
         return self._native.pid
 
     def _submit(
-        self, method: str, args: tuple, kwargs: Dict[str, Any], num_returns: int = 1
+        self,
+        method: str,
+        args: tuple,
+        kwargs: Dict[str, Any],
+        num_returns: int = 1,
+        split: bool = True,
     ) -> Any:
         from ._dag import _template
 
@@ -421,7 +451,7 @@ class ActorHandle:
             if _is_compiled_ref(v):
                 raise TypeError("CompiledDAGRef cannot be used as Ray task/actor argument.")
         ref = ObjectRef(self._calls.submit(run))
-        return _split(ref, num_returns) if num_returns > 1 else ref
+        return _split(ref, num_returns) if num_returns > 1 and split else ref
 
     def _kill(self) -> None:
         self._native.kill()

@@ -445,6 +445,19 @@ def _find_input(output: DAGNode) -> InputNode:
     return node
 
 
+def _check_containers(n: "ClassMethodNode") -> None:
+    for arg in list(n._args) + list(n._kwargs.values()):
+        if isinstance(arg, DAGNode):
+            continue
+        found = _nodes_inside(arg)
+        if found:
+            raise CompileError(
+                f"Found {found} DAGNodes from the arg {arg} in {_node_text(n)}. Please ensure "
+                "that the argument is a single DAGNode and that a DAGNode is not allowed to be "
+                "placed inside any type of container."
+            )
+
+
 class _Walk:
     """Every node of the graph that ends in ``output``: Ray's traversal, up and down from the
     InputNode, so that nodes that reach no output are found and refused."""
@@ -459,7 +472,21 @@ class _Walk:
                     f"MultiOutputNode takes graph nodes, and {o!r} is a "
                     f"{type(o).__name__}: list the nodes whose values execute() returns"
                 )
-        self.root = _find_input(self.outputs[0] if self.multi and self.outputs else output)
+        if not self.outputs:
+            raise CompileError("MultiOutputNode([]) has no output: list the nodes to return")
+        # Nodes inside containers first (Ray finds them while it walks the graph): such a
+        # node is no argument of its task, so the walks below would not see it.
+        seen_up = set()
+        stack: List[DAGNode] = list(self.outputs)
+        while stack:
+            n = stack.pop()
+            if id(n) in seen_up:
+                continue
+            seen_up.add(id(n))
+            if isinstance(n, ClassMethodNode):
+                _check_containers(n)
+            stack.extend(n._deps())
+        self.root = _find_input(self.outputs[0])
         self.nodes: List[DAGNode] = []
         seen = set()
         queue = deque([self.root, output])
@@ -502,16 +529,7 @@ class _Walk:
                 )
         for n in self.nodes:
             if isinstance(n, ClassMethodNode):
-                for arg in list(n._args) + list(n._kwargs.values()):
-                    if isinstance(arg, DAGNode):
-                        continue
-                    found = _nodes_inside(arg)
-                    if found:
-                        raise CompileError(
-                            f"Found {found} DAGNodes from the arg {arg} in {_node_text(n)}. "
-                            "Please ensure that the argument is a single DAGNode and that a "
-                            "DAGNode is not allowed to be placed inside any type of container."
-                        )
+                _check_containers(n)
             if isinstance(n, FunctionNode):
                 raise NotImplementedError(
                     "Compiled DAGs currently only support actor method nodes: "
@@ -627,7 +645,7 @@ def _interpret(output: DAGNode, args: tuple, kwargs: Dict[str, Any]) -> Any:
                 src = a[0]
                 values[id(n)] = ObjectRef.of_value(step(src.get(), **kw))
             else:
-                ref = n._actor._submit(n._method, a, kw, n._num_returns)
+                ref = n._actor._submit(n._method, a, kw, n._num_returns, split=False)
                 values[id(n)] = ref
         elif isinstance(n, FunctionNode):
             a = tuple(value_of(x) for x in n._args)
