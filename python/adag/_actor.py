@@ -273,6 +273,28 @@ def _split(ref: ObjectRef, n: int) -> List[ObjectRef]:
     return [ObjectRef(o) for o in outs]
 
 
+def _signature(f: Any) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(f)
+    except (TypeError, ValueError):  # builtins and C types may have none
+        return None
+
+
+def _check_call(
+    what: str, sig: Optional[inspect.Signature], args: tuple, kwargs: Dict[str, Any], verb: str
+) -> None:
+    """Ray's check of a call's arguments against the callee's signature (``TypeError``)."""
+    if sig is None:
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"{e}. The {what} has a signature `{sig}`, but the given arguments to `{verb}` "
+            f"doesn't match. args: {args}. kwargs: {kwargs}."
+        ) from None
+
+
 #: What a handle knows of its class's methods: name -> (signature without ``self`` or
 #: ``None`` when it cannot be read, num_returns).
 _MethodTable = Dict[str, Tuple[Optional[inspect.Signature], int]]
@@ -322,15 +344,7 @@ class ActorMethod:
 
     def _check(self, args: tuple, kwargs: Dict[str, Any], verb: str) -> None:
         sig = self._actor._methods.get(self._name, (None, 1))[0]
-        if sig is None:
-            return
-        try:
-            sig.bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(
-                f"{e}. The function `{self._name}` has a signature `{sig}`, but the given "
-                f"arguments to `{verb}` doesn't match. args: {args}. kwargs: {kwargs}."
-            ) from None
+        _check_call(f"function `{self._name}`", sig, args, kwargs, verb)
 
     def bind(self, *args: Any, **kwargs: Any) -> Any:
         """A node of a graph: this method called with ``args`` (nodes or constants); a tuple
@@ -499,16 +513,7 @@ class ActorClass(Generic[T]):
         _ensure_worker_command()
         if self._methods is None:
             self._methods = _method_table(self._cls)
-        try:
-            inspect.signature(self._cls).bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(
-                f"{e}. The constructor of {self.__name__} has a signature "
-                f"`{inspect.signature(self._cls)}`, but the given arguments to `remote` "
-                f"doesn't match. args: {args}. kwargs: {kwargs}."
-            ) from None
-        except ValueError:
-            pass
+        _check_call(f"constructor of {self.__name__}", _signature(self._cls), args, kwargs, "remote")
         args, kwargs = _resolve(args, kwargs)
         name = self._options.get("name") or f"{self._cls.__name__}#{next(_numbers)}"
         host = cluster.placement(name, self._options)
@@ -597,16 +602,9 @@ class RemoteFunction:
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         """Run the function once in a worker process."""
-        try:
-            inspect.signature(self._function).bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(
-                f"{e}. The function `{self.__name__}` has a signature "
-                f"`{inspect.signature(self._function)}`, but the given arguments to `remote` "
-                f"doesn't match. args: {args}. kwargs: {kwargs}."
-            ) from None
-        except ValueError:
-            pass
+        _check_call(
+            f"function `{self.__name__}`", _signature(self._function), args, kwargs, "remote"
+        )
         n = _num_returns(self._options.get("num_returns", 1), self.__name__)
         if self._pickled is None:
             from ._dag import _dumps_code

@@ -318,6 +318,9 @@ impl NativeGraph {
     /// `(actor, method, template, args)` where an argument `a >= 0` is node `a` and `a < 0`
     /// input part `-a - 1`; `outputs`: node indices.
     #[new]
+    // The constructor's arguments are those `adag/_dag.py` passes, one for each part of the
+    // described graph.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         parts: Vec<Bound<'_, PyTuple>>,
