@@ -46,6 +46,7 @@ pub fn init() {
     actor::worker::maybe_run_worker_explicit();
 }
 
+pub use actor::lend::output_buffer;
 pub use actor::worker::set_worker_command;
 
 /// Run this process as a host's agent when it was started as one (`ADAG_JOIN` and

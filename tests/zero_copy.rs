@@ -88,6 +88,22 @@ impl Inspector {
         )
     }
 
+    /// A new buffer computed from the input (every byte XOR 0x5a), built in the memory the
+    /// output channel lends; whether it was lent.
+    pub fn transform(&mut self, data: Buffer) -> (bool, Buffer) {
+        let mut out = adag::output_buffer(data.len());
+        let lent = out.is_loaned();
+        for (o, i) in out.iter_mut().zip(data.iter()) {
+            *o = i ^ 0x5a;
+        }
+        (lent, out.freeze())
+    }
+
+    /// The same, built on the heap (the plain way: copied into the channel after).
+    pub fn transform_heap(&mut self, data: Buffer) -> Buffer {
+        Buffer::from(data.iter().map(|b| b ^ 0x5a).collect::<Vec<u8>>())
+    }
+
     /// Keeps the buffer (as message `seq`) and passes it on.
     pub fn keep(&mut self, seq: u64, data: Buffer) -> Buffer {
         self.kept.push((seq, data.clone()));
@@ -401,5 +417,72 @@ fn input_buffers_built_in_lent_memory_are_never_copied() {
             .compile(t.echo(dag.input()), CompileOptions::default())
             .unwrap();
         assert!(!g.input_buffer(64).is_loaned());
+    });
+}
+
+/// A result the actor builds in the memory its output channel lends (`adag::output_buffer`)
+/// is written once: the output edge carries a reference, the driver reads the bytes in
+/// place, results kept by the driver never change while later results are built, and the
+/// plain way (a heap buffer) is copied into the channel as before. Outside a graph, and in a
+/// thread actor read by the driver's thread, the buffer is on the heap.
+#[test]
+fn results_built_in_lent_output_memory_are_written_once() {
+    with_watchdog("lent_output", WATCHDOG_SECS, || {
+        assert!(
+            !adag::output_buffer(16).is_loaned(),
+            "lent outside a method"
+        );
+        let Some(rt) = process_runtime() else { return };
+        const LEN: usize = 1 << 20;
+        const RUNS: u64 = 40;
+        let a = rt.spawn::<Inspector>(Placement::Process, ()).unwrap();
+        let opts = CompileOptions::default()
+            .buffer_size_bytes(4096)
+            .max_inflight_executions(3);
+        let dag = Dag::<Buffer>::new();
+        let g = dag.compile(a.transform(dag.input()), opts.clone()).unwrap();
+        let mut kept = Vec::new();
+        for seq in 0..RUNS {
+            let (lent, out) = g.execute(pattern(seq, LEN)).unwrap().get().unwrap();
+            assert!(lent, "the output channel lent no memory for result {seq}");
+            assert!(in_channel_memory(out.as_ptr()), "result {seq} was copied");
+            let want: Vec<u8> = pattern(seq, LEN).iter().map(|b| b ^ 0x5a).collect();
+            assert_eq!(out[..], want[..], "result {seq}");
+            if seq % 3 == 0 {
+                kept.push((seq, out));
+            }
+        }
+        let written = edge_bytes(&g.stats(), "transform");
+        assert!(
+            written < RUNS * 4096,
+            "the actor wrote {written} bytes for {RUNS} results of 1 MiB built in place"
+        );
+        for (seq, out) in &kept {
+            let want: Vec<u8> = pattern(*seq, LEN).iter().map(|b| b ^ 0x5a).collect();
+            assert_eq!(out[..], want[..], "kept result {seq} changed");
+        }
+        g.teardown().unwrap();
+
+        let dag = Dag::<Buffer>::new();
+        let g = dag.compile(a.transform_heap(dag.input()), opts).unwrap();
+        for seq in 0..5 {
+            let out = g.execute(pattern(seq, LEN)).unwrap().get().unwrap();
+            assert_eq!(out[0], pattern(seq, LEN)[0] ^ 0x5a);
+        }
+        let copied = edge_bytes(&g.stats(), "transform_heap");
+        assert!(
+            copied >= 5 * LEN as u64,
+            "a heap result was not copied into the channel ({copied} bytes)"
+        );
+        g.teardown().unwrap();
+
+        let t = rt.spawn::<Inspector>(Placement::Thread, ()).unwrap();
+        let dag = Dag::<Buffer>::new();
+        let g = dag
+            .compile(t.transform(dag.input()), CompileOptions::default())
+            .unwrap();
+        let (lent, out) = g.execute(pattern(1, 4096)).unwrap().get().unwrap();
+        assert!(!lent, "an in-process output lent shared memory");
+        assert_eq!(out[1], pattern(1, 4096)[1] ^ 0x5a);
     });
 }

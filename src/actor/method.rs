@@ -7,6 +7,7 @@
 use super::call::CallFailure;
 use super::channels::{ErasedReaderFn, GraphChannels, erased_reader};
 use super::comm_ops::{self, CommCtx, ScheduleWiring};
+use super::lend::{self, Lender};
 use super::op::Op;
 use crate::channel::slot::LocalSlot;
 use crate::channel::{ChanError, ChannelReader, ChannelWriter, Msg};
@@ -225,13 +226,16 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
         capture_backtraces();
         let readers = Args::build(b, args)?;
         let out = b.output::<R>(node, self.name)?;
+        let lender = b.lender(node);
         let f = self.f;
         let actor_name = b.actor_name.clone();
         let method = self.name;
         Ok(Box::new(move |actor: &mut A| {
             let msg = match Args::read(&readers) {
                 Err(upstream) => Msg::Error(upstream),
-                Ok(args) => match catch_unwind(AssertUnwindSafe(|| f(actor, args))) {
+                Ok(args) => match catch_unwind(AssertUnwindSafe(|| {
+                    lend::lending(lender.as_ref(), || f(actor, args))
+                })) {
                     Ok(Ok(v)) => Msg::Value(v),
                     Ok(Err(cause)) => {
                         Msg::Error(Arc::new(TaskError::of_method(&actor_name, method, cause)))
@@ -416,6 +420,8 @@ pub(crate) struct TaskBuilder<'a, A> {
     slots: HashMap<u64, Rc<dyn Any>>,
     pub(crate) reads: HashMap<u64, Op<A>>,
     pub(crate) writes: HashMap<u64, Op<A>>,
+    /// Lenders of output channels' memory, by edge (see [`lend`]).
+    lenders: HashMap<u64, Lender>,
     /// Communicator edges and collectives of this actor.
     pub(crate) comm: CommCtx<A>,
 }
@@ -435,8 +441,15 @@ impl<'a, A> TaskBuilder<'a, A> {
             slots: HashMap::new(),
             reads: HashMap::new(),
             writes: HashMap::new(),
+            lenders: HashMap::new(),
             comm: Default::default(),
         }
+    }
+
+    /// What lends the memory of `edge`'s output channel to the method computing it
+    /// ([`crate::output_buffer`]); `None` when the edge has no channel.
+    pub(crate) fn lender(&self, edge: u64) -> Option<Lender> {
+        self.lenders.get(&edge).cloned()
     }
 
     pub(crate) fn slots_insert(&mut self, edge: u64, slot: Rc<dyn Any>) {
@@ -504,7 +517,16 @@ impl<'a, A> TaskBuilder<'a, A> {
         let plan = self.plan.edge(edge)?;
         let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
         if plan.has_channel() {
-            let mut writer = self.chans.writer::<T>(self.plan, edge, self.me)?;
+            // Shared by the write below and the lender of the method's run: they never
+            // overlap (the write comes after the method returns, on the same thread).
+            let writer = Rc::new(std::cell::RefCell::new(
+                self.chans.writer::<T>(self.plan, edge, self.me)?,
+            ));
+            let lend_from = writer.clone();
+            self.lenders.insert(
+                edge,
+                Rc::new(move |len| lend_from.borrow_mut().loan(len)) as Lender,
+            );
             slot.add_use();
             let mut take = slot.clone();
             let actor = self.actor_name.clone();
@@ -513,6 +535,7 @@ impl<'a, A> TaskBuilder<'a, A> {
                 edge,
                 Box::new(move |_: &mut A| {
                     let msg = take.read(None)?;
+                    let mut writer = writer.borrow_mut();
                     match writer.write(msg, None) {
                         // The value cannot travel; its readers get an error instead.
                         Err(ChanError::TooLarge { size, limit }) => writer.write(

@@ -13,6 +13,7 @@ pub(crate) mod call;
 pub(crate) mod channels;
 pub(crate) mod comm_ops;
 pub(crate) mod host;
+pub(crate) mod lend;
 pub(crate) mod link;
 pub(crate) mod logs;
 pub(crate) mod method;
