@@ -105,6 +105,26 @@ def _get(refs: Union[_Ref, Sequence[_Ref]], timeout: Optional[float] = None) -> 
 get = _native.get
 
 
+def empty(shape: Union[int, Sequence[int]], dtype: Any = float) -> Any:
+    """A numpy array for a method's result, with uninitialised contents (``numpy.empty``),
+    built where the result travels: inside an actor method of a compiled graph it lies in the
+    shared memory of the method's output channel, so returning it (or a view of it) writes
+    its bytes once, in place, instead of copying them after the method. Elsewhere (outside a
+    method, a result read only by the same process) it is an ordinary array. Write every
+    element, and do not change the array after returning it: its readers read that memory."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    dims = (int(shape),) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    count = 1
+    for d in dims:
+        count *= d
+    if count == 0 or dt.itemsize == 0:
+        return np.empty(dims, dt)
+    memory = _native.output_buffer(count * dt.itemsize)
+    return np.frombuffer(memory, dtype=dt, count=count).reshape(dims)
+
+
 def kill(actor: ActorHandle) -> None:
     """Kill an actor's worker process at once (Ray's ``ray.kill``); its graph is torn down."""
     actor._kill()
@@ -135,6 +155,7 @@ __all__ = [
     "WrongModeError",
     "collective",
     "dag",
+    "empty",
     "exceptions",
     "experimental",
     "get",

@@ -51,5 +51,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<driver::NativeGraph>()?;
     m.add_class::<driver::CompiledDAGRef>()?;
     m.add_class::<value::ShmBuffer>()?;
+    m.add_class::<value::OutputBuffer>()?;
+    m.add_function(wrap_pyfunction!(value::output_buffer, m)?)?;
     Ok(())
 }

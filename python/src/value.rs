@@ -396,3 +396,73 @@ impl ShmBuffer {
         Ok(())
     }
 }
+
+/// Writable memory for the result of the running actor method (`adag.empty`): lent by the
+/// method's output channel when it has shared memory ([`adag::output_buffer`]), else on the
+/// heap. A numpy array over it that the method returns is written once: its bytes already
+/// lie where the readers read them.
+#[pyclass(module = "adag._native", frozen)]
+pub struct OutputBuffer {
+    memory: parking_lot::Mutex<adag::BufferMut>,
+    lent: bool,
+}
+
+#[pymethods]
+impl OutputBuffer {
+    fn __len__(&self) -> usize {
+        self.memory.lock().len()
+    }
+
+    /// Whether the bytes lie in memory lent by the output channel.
+    #[getter]
+    fn lent(&self) -> bool {
+        self.lent
+    }
+
+    fn __repr__(&self) -> String {
+        format!("OutputBuffer({} bytes, lent: {})", self.__len__(), self.lent)
+    }
+
+    /// # Safety
+    /// Called by the interpreter with a `Py_buffer` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let mut memory = slf.get().memory.lock();
+            (memory.as_mut_ptr(), memory.len())
+        };
+        // SAFETY: `view` is the interpreter's to fill; PyBuffer_FillInfo stores a new reference
+        // to `slf` in it, which keeps the `BufferMut` alive until the view is released. Its
+        // bytes never move (a heap vector that is never resized, or a pinned block of a
+        // channel's mapping) and are only reached through such views, by Python code holding
+        // the GIL, so the writable view aliases nothing Rust reads meanwhile.
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr as *mut std::ffi::c_void,
+                len as pyo3::ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+}
+
+/// `len` bytes for the result of the running actor method (see [`OutputBuffer`]); called on
+/// the actor's thread, where the method's output channel lends its memory.
+#[pyfunction]
+pub fn output_buffer(len: usize) -> OutputBuffer {
+    let memory = adag::output_buffer(len);
+    OutputBuffer {
+        lent: memory.is_loaned(),
+        memory: parking_lot::Mutex::new(memory),
+    }
+}
