@@ -13,9 +13,11 @@
 //! of an echo (the bytes cross twice, but count once). The workload keys match
 //! `scripts/ray/workloads.py`, so `scripts/ray/compare.py` can put both systems side by side.
 
+mod floor;
+
 use adag::Buffer;
 use adag::{ActorHandle, CompileOptions, CompiledGraph, IntoOutputs, Placement, RefSet, Runtime};
-use adag_bench::{Stage, chain, fanout, payload_echo, spawn_stages};
+use adag_bench::{Stage, chain, fanout, payload_echo, payload_transform, spawn_stages, xor_into};
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
 use hdrhistogram::Histogram;
@@ -520,6 +522,124 @@ impl Bench {
         Ok(())
     }
 
+    /// A process actor returns a new payload computed from its input (every byte XOR 0x5a):
+    /// `transform_*` the plain way (a heap input, copied into the input channel; a heap
+    /// result, copied into the output channel), `transform_lent_*` with every byte written
+    /// once (the input built once in lent input memory and sent by reference; the result
+    /// built in the memory the output channel lends, `adag::output_buffer`). Beside them
+    /// `membw_xor_*`: the same XOR in the driver between two warm heap buffers, one read and
+    /// one write of the payload, the memory-bandwidth bound of a transform.
+    fn transforms(&mut self) -> Result<()> {
+        let sizes: [(&str, usize); 2] = [("16MiB", 16 << 20), ("100MiB", 100 << 20)];
+        let wanted = sizes.iter().any(|(n, _)| {
+            self.wants(&format!("transform_{n}/process"))
+                || self.wants(&format!("transform_lent_{n}/process"))
+                || self.wants(&format!("membw_xor_{n}/driver"))
+        });
+        if !wanted {
+            return Ok(());
+        }
+        let a = self.rt.spawn::<Stage>(Placement::Process, 0)?;
+        for (name, size) in sizes {
+            let n = self.counts.payload(size);
+            let warmup = self.counts.warmup(n).min(n);
+            let gbps = |m: &Measured| size as f64 / (m.p50_us() * 1e-6) / 1e9;
+            let check = |out: &Buffer, first: u8| -> Result<()> {
+                ensure!(
+                    out.len() == size && out.first() == Some(&(first ^ 0x5a)),
+                    "transform of {size} bytes returned {} bytes",
+                    out.len()
+                );
+                Ok(())
+            };
+            let opts = CompileOptions::default()
+                .buffer_size_bytes(64 << 10)
+                .max_inflight_executions(2);
+            if self.wants(&format!("membw_xor_{name}/driver")) {
+                let src = vec![0xa5u8; size];
+                let mut dst = vec![0u8; size];
+                xor_into(&mut dst, &src);
+                let m = timed(warmup, n, |_| {
+                    xor_into(&mut dst, std::hint::black_box(&src));
+                    ensure!(dst[size - 1] == 0xa5 ^ 0x5a, "xor went wrong");
+                    Ok(())
+                })?;
+                let mut row = m.row(&format!("membw_xor_{name}"), "driver", String::new());
+                row.gb_per_s = Some(gbps(&m));
+                row.note = format!(
+                    "{:.2} GB/s: one read + one write, warm heap buffers (the bound)",
+                    gbps(&m)
+                );
+                self.push(row);
+            }
+            if self.wants(&format!("transform_{name}/process")) {
+                let g = payload_transform(&a, false, opts.clone())?;
+                let input = Buffer::from(vec![0xa5u8; size]);
+                let m = timed(warmup, n, |_| {
+                    check(&g.execute(input.clone())?.get()?, 0xa5)
+                })?;
+                g.teardown()?;
+                let mut row = m.row(&format!("transform_{name}"), "process", String::new());
+                row.gb_per_s = Some(gbps(&m));
+                row.note = format!("{:.2} GB/s: heap input and result, copied", gbps(&m));
+                self.push(row);
+            }
+            if self.wants(&format!("transform_lent_{name}/process")) {
+                let g = payload_transform(&a, true, opts.clone())?;
+                let mut lent = g.input_buffer(size);
+                lent.fill(0xa5);
+                let input = lent.freeze();
+                let m = timed(warmup, n, |_| {
+                    check(&g.execute(input.clone())?.get()?, 0xa5)
+                })?;
+                g.teardown()?;
+                let mut row = m.row(&format!("transform_lent_{name}"), "process", String::new());
+                row.gb_per_s = Some(gbps(&m));
+                row.note = format!(
+                    "{:.2} GB/s: lent input sent by reference, result made in lent output memory",
+                    gbps(&m)
+                );
+                self.push(row);
+            }
+        }
+        Ok(())
+    }
+
+    /// The floor of a round trip here: a counter handed back and forth through one shared
+    /// cache line between two threads, and between two processes (`floor.rs`).
+    fn floors(&mut self) -> Result<()> {
+        for placement in ["thread", "process"] {
+            let key = format!("floor_pingpong/{placement}");
+            if !self.wants(&key) {
+                continue;
+            }
+            let n = self.counts.sync;
+            let mut m = Measured::new();
+            let start = Instant::now();
+            let mut skipped = 0u64;
+            let warmup = self.counts.warmup(n);
+            let record = |d: Duration| {
+                if skipped < warmup {
+                    skipped += 1;
+                } else {
+                    m.record(d);
+                }
+            };
+            if placement == "thread" {
+                floor::threads(n + warmup, record)?;
+            } else {
+                floor::processes(n + warmup, record)?;
+            }
+            m.elapsed = start.elapsed();
+            self.push(m.row(
+                "floor_pingpong",
+                placement,
+                "one shared cache line, spin then yield: the least a round trip costs",
+            ));
+        }
+        Ok(())
+    }
+
     /// Async round trip through one process actor: `execute_async(x).await?.await?` on a
     /// current-thread tokio runtime (the refs are runtime-agnostic futures).
     fn async_echo(&mut self) -> Result<()> {
@@ -714,6 +834,8 @@ fn run(args: &Args) -> Result<Vec<Row>> {
         .context("chain3/process")?;
     b.fanout4().context("fanout4")?;
     b.payloads().context("payloads")?;
+    b.transforms().context("transforms")?;
+    b.floors().context("floors")?;
     b.async_echo().context("async_echo")?;
     b.compile().context("compile")?;
     b.hosts().context("hosts")?;

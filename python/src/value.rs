@@ -420,7 +420,11 @@ impl OutputBuffer {
     }
 
     fn __repr__(&self) -> String {
-        format!("OutputBuffer({} bytes, lent: {})", self.__len__(), self.lent)
+        format!(
+            "OutputBuffer({} bytes, lent: {})",
+            self.__len__(),
+            self.lent
+        )
     }
 
     /// # Safety

@@ -148,6 +148,41 @@ def table(adag, ray, name="adag"):
     return "\n".join(lines)
 
 
+def targets(adag, ray, py):
+    """The ratios the speed targets are read from, all from this run: transform of 100 MiB
+    (every byte written once) against Ray's and against the memory-bandwidth bound measured
+    beside it, echo against the ping-pong floors, Python echo against Ray's."""
+    def get(d, key, field):
+        return (d.get(key) or {}).get(field)
+
+    def line(what, value, goal, unit="x"):
+        if value is None:
+            return f"- {what}: not measured"
+        ok = "met" if goal(value) else "not met"
+        shown = f"{value * 100:.0f}%" if unit == "%" else f"{value:.2f}{unit}"
+        return f"- {what}: {shown} ({ok})"
+
+    lent = get(adag, "transform_lent_100MiB/process", "gb_per_s")
+    return "\n".join([
+        line("transform 100 MiB, adag (made in place) / Ray, GB/s",
+             ratio(lent, get(ray, "transform_100MiB/process", "gb_per_s")), lambda v: v >= 2),
+        line("transform 100 MiB, adag (made in place) / memory bound (membw_xor_100MiB)",
+             ratio(lent, get(adag, "membw_xor_100MiB/driver", "gb_per_s")), lambda v: v >= 0.7, "%"),
+        line("echo/thread p50 / floor_pingpong/thread",
+             ratio(get(adag, "echo/thread", "p50_us"), get(adag, "floor_pingpong/thread", "p50_us")),
+             lambda v: v <= 2),
+        line("echo/process p50 / floor_pingpong/process",
+             ratio(get(adag, "echo/process", "p50_us"), get(adag, "floor_pingpong/process", "p50_us")),
+             lambda v: v <= 2.5),
+        line("Python echo: Ray p50 / adag-py p50",
+             ratio(get(ray, "echo/process", "p50_us"), get(py, "echo/process", "p50_us")),
+             lambda v: v >= 40),
+        line("Python asyncio echo: Ray p50 / adag-py p50",
+             ratio(get(ray, "async_echo/process", "p50_us"), get(py, "async_echo/process", "p50_us")),
+             lambda v: v >= 40),
+    ])
+
+
 def plot(adag, ray, path, title):
     import matplotlib
 
@@ -269,6 +304,8 @@ def main():
     leaks = [r.get("leaked_dev_shm_files") for r in ray_reports if r.get("leaked_dev_shm_files")]
     if leaks:
         print(f"Ray left {', '.join(map(str, leaks))} sem.* files in /dev/shm per round (workloads.py removed them)")
+    print("\nSpeed targets (docs/benchmarks.md), from this run:")
+    print(targets(adag, ray, py))
     print("\nratios are adag / Ray: for p50 lower is better (below 1: adag faster); "
           "for /s higher is better (above 1: adag faster). Medians of "
           f"{args.rounds} alternating round(s).")

@@ -54,6 +54,16 @@ class Stage:
     def echo(self, x):
         return x
 
+    def transform(self, x):
+        return x ^ 0xA5  # a new array computed from the input
+
+    def transform_lent(self, x):
+        # adag only: the result made where it travels (`adag.empty`: the output channel's
+        # shared memory), so each byte is written once.
+        out = ray.empty(x.shape, x.dtype)
+        np.bitwise_xor(x, 0xA5, out=out)
+        return out
+
 
 class Measured:
     def __init__(self):
@@ -271,6 +281,41 @@ class Bench:
             row["note"] = f"{gbps:.2f} GB/s (size / p50 round trip)"
             self.push(row)
 
+    def transforms(self):
+        """A new array computed from the input (every byte XOR 0xA5) by one actor, 16 and 100
+        MiB: `transform_*` the plain way (a numpy expression); with adag also
+        `transform_lent_*`, the result made in the output channel's memory (`adag.empty`)."""
+        sizes = [("16MiB", 16 << 20), ("100MiB", 100 << 20)]
+        methods = [("transform", "numpy expression, a new array")]
+        if SYSTEM == "adag":
+            methods.append(("transform_lent", "result made in output channel memory (adag.empty)"))
+        keys = [f"{m}_{n}/process" for m, _ in methods for n, _ in sizes]
+        if not any(self.wants(k) for k in keys):
+            return
+        (a,) = self.spawn(1, 0)
+        for name, size in sizes:
+            arr = np.full(size, 0x5A, dtype=np.uint8)
+            n = min(self.sync, max(self.payload_bytes // size, 3))
+            for method, note in methods:
+                if not self.wants(f"{method}_{name}/process"):
+                    continue
+                with InputNode() as inp:
+                    out = getattr(a, method).bind(inp)
+                dag = out.experimental_compile(_buffer_size_bytes=size + (1 << 16), _max_inflight_executions=2)
+
+                def f(i):
+                    v = ray.get(dag.execute(arr))
+                    expect(v.nbytes == size and v[0] == 0x5A ^ 0xA5, f"transform of {size} bytes went wrong")
+                    del v
+
+                m = timed(min(self.warmup(n), n), n, f)
+                dag.teardown()
+                row = m.row(f"{method}_{name}", "")
+                gbps = size / (row["p50_us"] * 1e-6) / 1e9
+                row["gb_per_s"] = gbps
+                row["note"] = f"{gbps:.2f} GB/s: {note}"
+                self.push(row)
+
     def async_echo(self):
         if not self.wants("async_echo/process"):
             return
@@ -402,7 +447,7 @@ def main():
     print(f"{SYSTEM} {ray.__version__}: {os.cpu_count()} CPU(s)", file=sys.stderr, flush=True)
     b = Bench(args)
     try:
-        for step in (b.echo, b.call, b.chain3, b.fanout4, b.payloads, b.async_echo, b.compile):
+        for step in (b.echo, b.call, b.chain3, b.fanout4, b.payloads, b.transforms, b.async_echo, b.compile):
             step()
             b.free_actors()  # keep at most the current workload's actors alive on 2 cores
     finally:
