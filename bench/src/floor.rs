@@ -18,7 +18,7 @@ fn wait_for(line: &AtomicU64, want: u64, deadline: Instant) -> bool {
     let mut n = 0u32;
     while line.load(Ordering::Acquire) != want {
         n = n.wrapping_add(1);
-        if n % 64 == 0 {
+        if n.is_multiple_of(64) {
             let now = Instant::now();
             if now >= deadline {
                 return false;
