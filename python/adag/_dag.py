@@ -690,7 +690,10 @@ class CompiledDAGFuture:
         # the eventfd its waker signals (no thread, no GIL needed to wake).
         loop = asyncio.get_running_loop()
         while True:
-            done, value = self._native._poll()
+            # Spin a little for the value only when nothing else in the loop is ready to run
+            # (the spin would delay it); then sleep on the eventfd.
+            idle = not getattr(loop, "_ready", True)
+            done, value = self._native._poll(idle)
             if done:
                 # Used up once it yields its value (an await cancelled on the way, by a
                 # timeout, may be awaited again).

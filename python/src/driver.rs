@@ -808,16 +808,53 @@ struct Polled {
     wake: Arc<EventWake>,
 }
 
-struct EventWake(std::os::fd::OwnedFd);
+/// The waker of an awaited ref: an eventfd the event loop watches, made only when the ref
+/// is still pending after the first polls (most awaits of a fast graph find the value while
+/// spinning, and an eventfd costs system calls to make, watch and close). A wake before the
+/// eventfd exists is remembered and written to it when it is made.
+#[derive(Default)]
+struct EventWake {
+    /// Set by every wake; the spinning poller clears it before it polls again.
+    woken: std::sync::atomic::AtomicBool,
+    fd: Mutex<Option<std::os::fd::OwnedFd>>,
+}
+
+impl EventWake {
+    /// The eventfd, made now if need be (readable at once if a wake came first: a wake sets
+    /// `woken` before it looks for the eventfd, under the same lock as this).
+    fn fd(&self) -> std::io::Result<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        let mut fd = self.fd.lock();
+        if fd.is_none() {
+            let made = rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+            )?;
+            if self.woken.load(std::sync::atomic::Ordering::Acquire) {
+                let _ = rustix::io::write(&made, &1u64.to_ne_bytes());
+            }
+            *fd = Some(made);
+        }
+        Ok(fd.as_ref().expect("made above").as_raw_fd())
+    }
+}
 
 impl std::task::Wake for EventWake {
     fn wake(self: Arc<Self>) {
         self.wake_by_ref();
     }
     fn wake_by_ref(self: &Arc<Self>) {
-        let _ = rustix::io::write(&self.0, &1u64.to_ne_bytes());
+        self.woken.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(fd) = &*self.fd.lock() {
+            let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+        }
     }
 }
+
+/// How long `_poll(spin=True)` polls a pending ref again before the event loop sleeps on its
+/// eventfd: a wake from another core costs tens of microseconds here, a fast graph's result
+/// comes sooner (the channels' own spin window).
+const AWAIT_SPIN: Duration = Duration::from_micros(50);
 
 #[pymethods]
 impl CompiledDAGRef {
@@ -837,10 +874,13 @@ impl CompiledDAGRef {
         self.wait(py, timeout)
     }
 
-    /// Poll the ref's future once from the event loop's thread: `(True, value)` when it is
+    /// Poll the ref's future from the event loop's thread: `(True, value)` when it is
     /// ready, else `(False, fd)`: an eventfd that becomes readable when it is worth polling
-    /// again (drain it with `os.read(fd, 8)`).
-    fn _poll(&self, py: Python<'_>) -> PyResult<(bool, PyObject)> {
+    /// again (drain it with `os.read(fd, 8)`). With `spin`, a pending future is polled again
+    /// for up to 50 µs first (the GIL released): the caller passes it when the loop has no
+    /// other callback ready, so the spin delays no one.
+    #[pyo3(signature = (spin=false))]
+    fn _poll(&self, py: Python<'_>, spin: bool) -> PyResult<(bool, PyObject)> {
         let mut polled = self.polled.lock();
         if polled.is_none() {
             if let Some(err) = self.failed.lock().take() {
@@ -851,27 +891,45 @@ impl CompiledDAGRef {
                 .lock()
                 .take()
                 .ok_or_else(|| PyValueError::new_err(GOT_ONCE))?;
-            let fd = rustix::event::eventfd(
-                0,
-                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
-            )
-            .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("eventfd: {e}")))?;
             *polled = Some(Polled {
                 fut: Box::pin(std::future::IntoFuture::into_future(r)),
-                wake: Arc::new(EventWake(fd)),
+                wake: Arc::new(EventWake::default()),
             });
         }
         let p = polled.as_mut().expect("set above");
+        let wake = p.wake.clone();
         let waker = std::task::Waker::from(p.wake.clone());
         let fut = &mut p.fut;
         let got = py.allow_threads(|| {
+            use std::sync::atomic::Ordering;
             let mut cx = std::task::Context::from_waker(&waker);
-            fut.as_mut().poll(&mut cx)
+            wake.woken.store(false, Ordering::Relaxed);
+            let first = fut.as_mut().poll(&mut cx);
+            if !spin || first.is_ready() {
+                return first;
+            }
+            // Watch the wake flag, not the future: polling takes the graph's locks, which
+            // the thread about to deliver the result needs.
+            let start = std::time::Instant::now();
+            loop {
+                if wake.woken.swap(false, Ordering::AcqRel) {
+                    let again = fut.as_mut().poll(&mut cx);
+                    if again.is_ready() {
+                        return again;
+                    }
+                }
+                if start.elapsed() >= AWAIT_SPIN {
+                    return std::task::Poll::Pending;
+                }
+                std::hint::spin_loop();
+            }
         });
         match got {
             std::task::Poll::Pending => {
-                use std::os::fd::AsRawFd;
-                let fd = p.wake.0.as_raw_fd();
+                let fd = p
+                    .wake
+                    .fd()
+                    .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("eventfd: {e}")))?;
                 Ok((false, fd.into_pyobject(py)?.into_any().unbind()))
             }
             std::task::Poll::Ready(r) => {
