@@ -28,6 +28,7 @@ pub(crate) mod net;
 pub(crate) mod shm;
 pub(crate) mod slot;
 pub(crate) mod wait;
+pub(crate) use wait::passed;
 
 /// What one slot of a channel carries: a value, or the error of the task that should have
 /// produced it.

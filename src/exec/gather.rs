@@ -103,7 +103,7 @@ impl Gather {
                     let now = Instant::now();
                     for i in (0..self.edges.len()).filter(|i| *i != first) {
                         while self.edges[i].next <= exec {
-                            match self.read_edge(i, exec, Some(now)) {
+                            match self.read_edge(i, exec, Some(crate::channel::passed())) {
                                 Ok(Some(error)) => return Ok(self.fail(error)),
                                 Ok(None) => {}
                                 Err(ChanError::Timeout) => break,

@@ -669,18 +669,26 @@ impl<I: Value> GraphShared<I> {
         let mut r = self.results.lock();
         self.next_read.store(exec + 1, Ordering::Release);
         self.drained.store(drained, Ordering::Release);
-        for (out, v) in results.iter_mut().enumerate() {
-            if r.dropped.remove(&(exec, out)) {
-                *v = None;
+        // Hashing costs more than the rest of a small execution's bookkeeping: look in the
+        // sets of dropped refs and of wakers only when something is in them.
+        if !r.dropped.is_empty() {
+            for (out, v) in results.iter_mut().enumerate() {
+                if r.dropped.remove(&(exec, out)) {
+                    *v = None;
+                }
             }
         }
         let wanted = match want {
             Some((e, out)) if e == exec => results[out].take(),
             _ => None,
         };
-        let mut wake: Vec<Waker> = (0..results.len())
-            .filter_map(|o| r.wakers.remove(&(exec, o)))
-            .collect();
+        let mut wake: Vec<Waker> = if r.wakers.is_empty() {
+            Vec::new()
+        } else {
+            (0..results.len())
+                .filter_map(|o| r.wakers.remove(&(exec, o)))
+                .collect()
+        };
         wake.append(&mut r.room_wakers);
         if results.iter().any(Option::is_some) {
             r.buffer.insert(exec, results);
@@ -713,7 +721,8 @@ impl<I: Value> GraphShared<I> {
 
     fn all_dropped(&self, exec: u64) -> bool {
         let r = self.results.lock();
-        (0..self.output_labels.len()).all(|o| r.dropped.contains(&(exec, o)))
+        !r.dropped.is_empty()
+            && (0..self.output_labels.len()).all(|o| r.dropped.contains(&(exec, o)))
     }
 
     /// Executions with a message still in the channels (leftovers of failed ones included).

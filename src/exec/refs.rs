@@ -436,7 +436,7 @@ pub fn wait_first<T: Value>(refs: Vec<CompiledRef<T>>, timeout: Duration) -> Res
     let mut slice = Duration::from_millis(1);
     loop {
         for i in 0..refs.len() {
-            if refs[i].inner.wait_ready(Some(Instant::now()))? {
+            if refs[i].inner.wait_ready(Some(crate::channel::passed()))? {
                 return Ok(claim_first(refs, i));
             }
         }

@@ -732,7 +732,7 @@ impl Blocks {
     fn lend(&mut self, shared: &Arc<ShmShared>, len: usize) -> Result<Block, RingError> {
         let size = (len + BLOCK_HEADER).next_multiple_of(rustix::param::page_size());
         if size <= self.stride {
-            return self.take(shared, Some(Instant::now()));
+            return self.take(shared, Some(crate::channel::passed()));
         }
         self.collect_unpinned(shared);
         if let Some(index) = self.free.iter().position(|b| b.size >= size) {
