@@ -63,6 +63,54 @@ fn on(rt: &Runtime, h: &HostInfo, add: u64) -> adag::ActorHandle<Stage> {
         .unwrap_or_else(|e| panic!("spawn on {}: {e}", h.name))
 }
 
+/// The measured attack on a data port: 200 idle connections from strangers to each other
+/// host's data port (and the driver's) used to take every handshake place, so every compile
+/// touching that host failed within a millisecond; now graphs compile and run, and the
+/// strangers are dropped. Then the hosts leave promptly when the driver goes.
+#[test]
+fn idle_strangers_on_data_ports_do_not_stop_compiles() {
+    let (rt, mut hosts, h) = cluster(2);
+    let mut strangers = Vec::new();
+    for host in &h {
+        for _ in 0..200 {
+            strangers.push(std::net::TcpStream::connect(host.data_address).unwrap());
+        }
+    }
+    let a = on(&rt, &h[0], 1);
+    let b = on(&rt, &h[1], 10);
+    for round in 0..3u64 {
+        let dag = Dag::<u64>::new();
+        let out = b.step(a.step(dag.input()));
+        let g = dag
+            .compile(out, CompileOptions::default())
+            .unwrap_or_else(|e| panic!("round {round}, with 400 strangers connected: {e}"));
+        assert_eq!(
+            g.execute(round).unwrap().get_timeout(GET).unwrap(),
+            round + 11
+        );
+        g.teardown().unwrap();
+    }
+    // Every stranger is dropped unproven: a read ends (closed or reset), it does not hang.
+    for s in &mut strangers {
+        use std::io::Read;
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut rest = [0u8; 64];
+        loop {
+            match s.read(&mut rest) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {} // the greeting
+            }
+        }
+    }
+    let pids = hosts.pids();
+    drop((a, b));
+    drop(rt);
+    for (i, pid) in pids.iter().enumerate() {
+        assert_eq!(hosts.wait(i).unwrap(), Some(0), "agent {pid} left cleanly");
+        assert!(!alive(*pid));
+    }
+}
+
 /// A chain over three hosts, executed one at a time and pipelined.
 #[test]
 fn a_chain_over_three_hosts() {

@@ -108,16 +108,30 @@ def _joined(hosts: Sequence[Tuple[int, str, str, int, int]]) -> List[Dict[str, A
     ]
 
 
+def _listed(hosts: Sequence[Tuple[Any, ...]]) -> List[Dict[str, Any]]:
+    nodes = []
+    for h, name, addr, cores, pid, lost_at, why in hosts:
+        node = _node(h, name, addr.rsplit(":", 1)[0].strip("[]"), cores, pid)
+        if lost_at is not None:
+            node["Alive"] = False
+            node["DeathReasonMessage"] = why
+            node["LostAt"] = lost_at
+        nodes.append(node)
+    return nodes
+
+
 def nodes() -> List[Dict[str, Any]]:
-    """The live hosts (Ray's ``ray.nodes()``): the driver's host first (``"NodeID": "0"``),
-    then every host that joined and is alive, in joining order.
+    """Every host (Ray's ``ray.nodes()``): the driver's host first (``"NodeID": "0"``), then
+    every host that joined, in joining order; a host that was lost stays listed with
+    ``"Alive": False``, ``"DeathReasonMessage"`` (why) and ``"LostAt"`` (when, seconds since
+    the epoch), as Ray lists a dead node.
 
     Each is a dict with Ray's keys ``"NodeID"`` (pass it to
     ``NodeAffinitySchedulingStrategy``), ``"Alive"``, ``"NodeName"``,
     ``"NodeManagerAddress"``, ``"NodeManagerHostname"``, ``"Resources"`` (``{"CPU": n}``),
     and adag's ``"IsDriver"`` and ``"AgentPid"`` (the agent's process id on its host).
     """
-    return [_driver_node()] + _joined(_native.hosts())
+    return [_driver_node()] + _listed(_native.all_hosts())
 
 
 def wait_for_nodes(count: int, timeout: float = 60.0) -> List[Dict[str, Any]]:
@@ -191,7 +205,7 @@ def placement(actor: str, options: Mapping[str, Any]) -> int:
         )
     raise PlacementError(
         f"actor {actor} is placed on host {host!r} ({how}), but no live host has that "
-        f"NodeID (live: {_describe(nodes())}); {fix}"
+        f"NodeID (live: {_describe([n for n in nodes() if n['Alive']])}); {fix}"
     )
 
 

@@ -5,7 +5,7 @@ use super::data::DataPlane;
 use super::wire::{
     self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
 };
-use super::{ENV_HOST_NAME, ENV_JOIN, ENV_TOKEN};
+use super::{ENV_HOST_NAME, ENV_JOIN, ENV_JOIN_TIMEOUT, ENV_TOKEN};
 use parking_lot::Mutex;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
@@ -100,9 +100,24 @@ fn env_addr(name: &str) -> Result<Option<SocketAddr>, String> {
 pub const EXIT_JOIN_FAILED: i32 = 3;
 
 /// How long an agent keeps trying to reach a driver that is not listening yet (launchers
-/// may start hosts before the driver): 60 attempts, 0.5 s apart.
-const CONNECT_ATTEMPTS: u32 = 60;
+/// may start hosts before the driver), unless `ADAG_JOIN_TIMEOUT` says: 30 s, an attempt
+/// every 0.5 s.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
 const CONNECT_PAUSE: Duration = Duration::from_millis(500);
+
+/// The join window: `ADAG_JOIN_TIMEOUT` seconds, else [`JOIN_TIMEOUT`].
+fn join_timeout() -> Result<Duration, String> {
+    match std::env::var(ENV_JOIN_TIMEOUT) {
+        Err(_) => Ok(JOIN_TIMEOUT),
+        Ok(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s >= 0.0 && *s < 1e9)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| format!("{ENV_JOIN_TIMEOUT}={v} is not a number of seconds")),
+    }
+}
 
 /// If this process was started as a host's agent, run it and exit; otherwise return at once.
 pub(crate) fn maybe_run_agent(make: MakeServices) {
@@ -143,23 +158,43 @@ fn host_name() -> String {
 }
 
 fn connect(join: &str) -> Result<TcpStream, String> {
+    let window = join_timeout()?;
+    let until = Instant::now() + window;
     let mut last = String::new();
-    for attempt in 0..CONNECT_ATTEMPTS {
-        if attempt > 0 {
-            std::thread::sleep(CONNECT_PAUSE);
-        }
-        let addrs = join.to_socket_addrs().map_err(|e| {
-            format!("{ENV_JOIN}={join} is not an address (host:port) that resolves: {e}")
-        })?;
-        for addr in addrs {
-            match TcpStream::connect_timeout(&addr, wire::HANDSHAKE_TIMEOUT) {
-                Ok(s) => return Ok(s),
-                Err(e) => last = format!("{addr}: {e}"),
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        // A name that does not resolve yet (a Kubernetes Service before its pod) is retried
+        // like a driver that does not listen yet.
+        match join.to_socket_addrs() {
+            Ok(addrs) => {
+                for addr in addrs {
+                    match TcpStream::connect_timeout(&addr, wire::HANDSHAKE_TIMEOUT) {
+                        Ok(s) => return Ok(s),
+                        Err(e) => last = format!("{addr}: {e}"),
+                    }
+                }
+            }
+            Err(e)
+                if join
+                    .rsplit_once(':')
+                    .is_some_and(|(_, p)| p.parse::<u16>().is_ok()) =>
+            {
+                last = format!("{join} does not resolve: {e}");
+            }
+            Err(e) => {
+                return Err(format!(
+                    "{ENV_JOIN}={join} is not an address (host:port): {e}"
+                ));
             }
         }
+        if Instant::now() + CONNECT_PAUSE > until {
+            break;
+        }
+        std::thread::sleep(CONNECT_PAUSE);
     }
     Err(format!(
-        "cannot reach the driver at {join} after {CONNECT_ATTEMPTS} attempts ({last}); is the driver listening there?"
+        "cannot reach the driver at {join} after {attempts} attempts over {window:?} ({last}); is the driver listening there? ({ENV_JOIN_TIMEOUT} sets how long to keep trying)"
     ))
 }
 
@@ -214,9 +249,10 @@ fn run(join: &str, make: MakeServices) -> Result<(), String> {
         driver_ip,
     }));
     serve(stream, &writer, &services, host, interval, timeout);
-    // Leaving: every worker started here goes too, and nothing more is written.
-    services.shutdown();
+    // Leaving: waits for connections end first (an install waiting for one returns at once),
+    // then every worker started here goes too, and nothing more is written.
     data.stop();
+    services.shutdown();
     writer.lock().take();
     Ok(())
 }

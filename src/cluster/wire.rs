@@ -174,6 +174,8 @@ pub(crate) enum WireError {
     Decode(String),
     #[error("no random numbers for the handshake: {0}")]
     Random(String),
+    #[error("{0}")]
+    Refused(String),
 }
 
 pub(crate) type HmacSha256 = Hmac<Sha256>;
@@ -234,16 +236,25 @@ pub(crate) fn agent_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<(
 }
 
 /// The driver's side of the handshake: checks the magic, the version and the agent's proof.
+/// Each failure says which step failed and what that means (a peer that closes the
+/// connection instead of proving itself is an agent with another secret: it checks the
+/// driver's proof first and leaves).
 pub(crate) fn driver_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<(), WireError> {
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
     let mut hello = [0u8; 8 + 4 + NONCE];
     // The magic first, on its own: a stranger is dropped after 8 bytes.
-    stream.read_exact(&mut hello[..MAGIC.len()])?;
+    stream
+        .read_exact(&mut hello[..MAGIC.len()])
+        .map_err(refused(
+            "before sending the join's first bytes (a port scan or a health check?)",
+        ))?;
     if &hello[..MAGIC.len()] != MAGIC {
         return Err(WireError::NotAdag(hello[..MAGIC.len()].to_vec()));
     }
-    stream.read_exact(&mut hello[MAGIC.len()..])?;
+    stream
+        .read_exact(&mut hello[MAGIC.len()..])
+        .map_err(refused("in the middle of its greeting"))?;
     let theirs = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes"));
     if theirs != VERSION {
         return Err(WireError::Version { theirs });
@@ -258,10 +269,26 @@ pub(crate) fn driver_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<
     reply.extend_from_slice(&mine);
     stream.write_all(&reply)?;
     let mut agent_proof = [0u8; PROOF];
-    stream.read_exact(&mut agent_proof)?;
+    stream.read_exact(&mut agent_proof).map_err(refused(
+        "instead of proving it knows the secret: its ADAG_TOKEN differs from this driver's (an agent checks the driver's proof first, and leaves when it fails)",
+    ))?;
     proof(secret, b"agent", nonce_a, &nonce_b)
         .verify_slice(&agent_proof)
         .map_err(|_| WireError::Auth("the agent did not prove it knows the secret"))
+}
+
+/// Names a handshake read that failed: the peer closed the connection (`when`), or said
+/// nothing within [`HANDSHAKE_TIMEOUT`].
+fn refused(when: &'static str) -> impl Fn(io::Error) -> WireError {
+    move |e| match e.kind() {
+        io::ErrorKind::UnexpectedEof => {
+            WireError::Refused(format!("the peer closed the connection {when}"))
+        }
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => WireError::Refused(format!(
+            "the peer said nothing for {HANDSHAKE_TIMEOUT:?} (not an adag agent, or one on a network that drops packets)"
+        )),
+        _ => WireError::Io(e),
+    }
 }
 
 /// Writes one frame: its length (u32 LE), then the message in postcard.
