@@ -193,6 +193,7 @@ enum ToAgent {
         host: u64,
         interval_ms: u64,
         timeout_ms: u64,
+        log_level: String,
     },
 }
 
@@ -227,6 +228,7 @@ fn an_agent_leaves_a_silent_driver() {
         host: 1,
         interval_ms: 100,
         timeout_ms: 500,
+        log_level: "off".into(),
     })
     .unwrap();
     s.write_all(&(welcome.len() as u32).to_le_bytes()).unwrap();

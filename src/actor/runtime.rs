@@ -151,6 +151,7 @@ impl Runtime {
             ));
         }
         let driver = ClusterDriver::start(options)?;
+        driver.set_log_sink(super::logs::RemoteLogs::new());
         let addr = driver.addr();
         *cluster = Some(driver);
         Ok(addr)

@@ -44,6 +44,47 @@ pub(crate) struct AgentContext {
     /// The driver's address as this host reaches it (a data address of the driver that is
     /// unspecified means this one).
     pub driver_ip: IpAddr,
+    /// Carries the output and `tracing` events of this host's workers to the driver.
+    pub logs: LogReporter,
+}
+
+/// Carries what this host's workers write to the driver, over the agent's connection. Its
+/// writes wait at most the heartbeat timeout; callers never call it from an actor's thread
+/// (a queue and a forwarding thread stand between), so a slow driver costs lines, never an
+/// actor's progress.
+#[derive(Clone)]
+pub(crate) struct LogReporter {
+    writer: Arc<Mutex<Option<TcpStream>>>,
+    /// This host's name, as the driver lists it (lines are prefixed with it).
+    pub host_name: String,
+    /// The most verbose `tracing` level the driver lets through.
+    pub level: String,
+}
+
+impl LogReporter {
+    /// Sends lines (`(true, line)`: stderr); false if the driver is gone or the write failed.
+    pub(crate) fn lines(&self, lines: Vec<(bool, String)>) -> bool {
+        match self.writer.lock().as_mut() {
+            Some(s) => wire::write_frame(s, &ToDriver::Logs { lines }).is_ok(),
+            None => false,
+        }
+    }
+
+    /// Sends one encoded `tracing` event of `actor`'s worker.
+    pub(crate) fn event(&self, actor: &str, pid: u32, record: Vec<u8>) -> bool {
+        match self.writer.lock().as_mut() {
+            Some(s) => wire::write_frame(
+                s,
+                &ToDriver::Event {
+                    actor: actor.to_string(),
+                    pid,
+                    record,
+                },
+            )
+            .is_ok(),
+            None => false,
+        }
+    }
 }
 
 /// Tells the driver what happened to the actors of this host (given to the services when they
@@ -215,25 +256,28 @@ fn run(join: &str, make: MakeServices) -> Result<(), String> {
         format!("cannot listen for data connections on {bind} ({ENV_DATA_ADDR}): {e}")
     })?;
     let advertised = env_addr(ENV_DATA_ADVERTISE)?.unwrap_or(data.addr());
+    let name = host_name();
     wire::write_frame(
         &mut stream,
         &Hello {
-            name: host_name(),
+            name: name.clone(),
             cores,
             pid: std::process::id(),
             data: advertised,
         },
     )
     .map_err(|e| format!("joining {join}: {e}"))?;
-    let (host, interval, timeout) = match wire::read_frame::<ToAgent>(&mut stream) {
+    let (host, interval, timeout, log_level) = match wire::read_frame::<ToAgent>(&mut stream) {
         Ok(ToAgent::Welcome {
             host,
             interval_ms,
             timeout_ms,
+            log_level,
         }) => (
             host,
             Duration::from_millis(interval_ms.max(1)),
             Duration::from_millis(timeout_ms.max(1)),
+            log_level,
         ),
         Ok(ToAgent::Refused { reason }) => return Err(format!("the driver refused: {reason}")),
         Ok(other) => return Err(format!("the driver answered {other:?} to a join")),
@@ -247,6 +291,11 @@ fn run(join: &str, make: MakeServices) -> Result<(), String> {
         deaths: DeathReporter(writer.clone()),
         data: data.clone(),
         driver_ip,
+        logs: LogReporter {
+            writer: writer.clone(),
+            host_name: name,
+            level: log_level,
+        },
     }));
     serve(stream, &writer, &services, host, interval, timeout);
     // Leaving: waits for connections end first (an install waiting for one returns at once),
@@ -286,7 +335,18 @@ fn serve(
     let started = Instant::now();
     loop {
         match wire::read_frame_within::<ToAgent>(&mut stream, wire::MAX_JOINED_FRAME) {
-            Ok(ToAgent::Heartbeat) => {}
+            Ok(ToAgent::Heartbeat { driver_ns }) => {
+                if let Some(s) = writer.lock().as_mut() {
+                    let agent_ns = crate::clock::mono_ns();
+                    let _ = wire::write_frame(
+                        s,
+                        &ToDriver::Clock {
+                            driver_ns,
+                            agent_ns,
+                        },
+                    );
+                }
+            }
             Ok(ToAgent::Shutdown) => return,
             Ok(ToAgent::Request { req, request }) => {
                 // Each request on a thread of its own: a long call never holds up the

@@ -21,6 +21,15 @@ pub(crate) type DeathCallback = Box<dyn Fn(&str) + Send + Sync>;
 /// Told that a graph's schedule stopped on a host: (actor, why).
 pub(crate) type FaultCallback = Arc<dyn Fn(&str, &str) + Send + Sync>;
 
+/// Where the output and `tracing` events of workers on other hosts go in the driver (the
+/// runtime's log forwarding): it must never block, since a host's reader thread calls it.
+pub(crate) trait LogSink: Send + Sync {
+    /// Lines of workers of host `host` (`(true, line)`: stderr), each already prefixed.
+    fn lines(&self, host: &str, lines: Vec<(bool, String)>);
+    /// An encoded `tracing` event of `actor`'s worker (process `pid`) on host `host`.
+    fn event(&self, host: &str, actor: &str, pid: u32, record: &[u8]);
+}
+
 struct Host {
     info: HostInfo,
     /// The writing side of the connection (heartbeats, requests, shutdown); one writer at a
@@ -28,6 +37,8 @@ struct Host {
     stream: Arc<Mutex<TcpStream>>,
     /// Requests waiting for their reply.
     pending: HashMap<u64, Sender<Reply>>,
+    /// Its clock against the driver's, from the heartbeats.
+    clock: super::clock::ClockSync,
     /// The actors started there, told when their worker dies.
     deaths: HashMap<u64, DeathCallback>,
 }
@@ -49,6 +60,7 @@ pub(crate) struct ClusterDriver {
     changed: Condvar,
     stop: AtomicBool,
     next_req: AtomicU64,
+    logs: std::sync::OnceLock<Arc<dyn LogSink>>,
 }
 
 impl ClusterDriver {
@@ -84,6 +96,7 @@ impl ClusterDriver {
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
             next_req: AtomicU64::new(1),
+            logs: std::sync::OnceLock::new(),
         });
         let weak = Arc::downgrade(&driver);
         std::thread::Builder::new()
@@ -135,6 +148,12 @@ impl ClusterDriver {
     }
 
     /// The driver's host's data port.
+    /// Sends the output and events of workers on other hosts to `sink` (set once, right
+    /// after the driver starts).
+    pub(crate) fn set_log_sink(&self, sink: Arc<dyn LogSink>) {
+        let _ = self.logs.set(sink);
+    }
+
     pub(crate) fn data(&self) -> &Arc<DataPlane> {
         &self.data
     }
@@ -189,6 +208,19 @@ impl ClusterDriver {
                 });
             }
         }
+    }
+
+    /// Host `id`'s name and its clock against the driver's (`None`: no estimate yet).
+    pub(crate) fn clock_of(&self, id: u64) -> (String, Option<super::ClockOffset>) {
+        self.state
+            .lock()
+            .hosts
+            .iter()
+            .find(|h| h.info.id == id)
+            .map_or_else(
+                || (format!("host {id}"), None),
+                |h| (h.info.name.clone(), h.info.clock),
+            )
     }
 
     /// The name of host `id`, as errors show it.
@@ -358,7 +390,10 @@ impl ClusterDriver {
             .map(|h| (h.info.id, h.stream.clone()))
             .collect();
         for (id, stream) in streams {
-            if let Err(e) = wire::write_frame(&mut *stream.lock(), &ToAgent::Heartbeat) {
+            let beat = ToAgent::Heartbeat {
+                driver_ns: crate::clock::mono_ns(),
+            };
+            if let Err(e) = wire::write_frame(&mut *stream.lock(), &beat) {
                 lost.push((id, format!("the connection broke: {e}")));
             }
         }
@@ -409,7 +444,7 @@ impl ClusterDriver {
         stream.set_nodelay(true)?;
         wire::driver_handshake(&mut stream, self.opts.token.as_bytes())?;
         let hello: Hello = wire::read_frame(&mut stream)?;
-        let id = {
+        let (id, host_name) = {
             let mut state = self.state.lock();
             let id = state.next_id;
             state.next_id += 1;
@@ -426,6 +461,7 @@ impl ClusterDriver {
                 pid: hello.pid,
                 data_address: data,
                 lost: None,
+                clock: None,
             };
             wire::write_frame(
                 &mut stream,
@@ -433,18 +469,28 @@ impl ClusterDriver {
                     host: id,
                     interval_ms: self.opts.heartbeat_interval.as_millis() as u64,
                     timeout_ms: self.opts.heartbeat_timeout.as_millis() as u64,
+                    log_level: tracing::level_filters::LevelFilter::current().to_string(),
                 },
             )?;
             // Writes of heartbeats never block the driver for long on a stuck peer.
             stream.set_write_timeout(Some(self.opts.heartbeat_timeout))?;
+            // A first heartbeat now: the host's clock is estimated before any graph runs there.
+            wire::write_frame(
+                &mut stream,
+                &ToAgent::Heartbeat {
+                    driver_ns: crate::clock::mono_ns(),
+                },
+            )?;
             tracing::info!(host = id, name = %info.name, %peer, cores = info.cores, "host joined");
+            let host_name = info.name.clone();
             state.hosts.push(Host {
                 info,
                 stream: Arc::new(Mutex::new(stream.try_clone()?)),
                 pending: HashMap::new(),
                 deaths: HashMap::new(),
+                clock: Default::default(),
             });
-            id
+            (id, host_name)
         };
         self.changed.notify_all();
         // Reader: heartbeats keep the host alive; silence past the timeout loses it.
@@ -456,6 +502,19 @@ impl ClusterDriver {
                 let why = loop {
                     match wire::read_frame_within::<ToDriver>(&mut stream, wire::MAX_JOINED_FRAME) {
                         Ok(ToDriver::Heartbeat) => {}
+                        Ok(ToDriver::Clock {
+                            driver_ns,
+                            agent_ns,
+                        }) => {
+                            let now = crate::clock::mono_ns();
+                            if let Some(d) = weak.upgrade()
+                                && let Some(h) =
+                                    d.state.lock().hosts.iter_mut().find(|h| h.info.id == id)
+                            {
+                                h.clock.sample(driver_ns, agent_ns, now);
+                                h.info.clock = h.clock.estimate();
+                            }
+                        }
                         Ok(ToDriver::Reply { req, result }) => {
                             if let Some(d) = weak.upgrade() {
                                 d.reply(id, req, result);
@@ -473,6 +532,16 @@ impl ClusterDriver {
                         }) => {
                             if let Some(d) = weak.upgrade() {
                                 d.fault(id, graph, actor, reason);
+                            }
+                        }
+                        Ok(ToDriver::Logs { lines }) => {
+                            if let Some(sink) = weak.upgrade().and_then(|d| d.logs.get().cloned()) {
+                                sink.lines(&host_name, lines);
+                            }
+                        }
+                        Ok(ToDriver::Event { actor, pid, record }) => {
+                            if let Some(sink) = weak.upgrade().and_then(|d| d.logs.get().cloned()) {
+                                sink.event(&host_name, &actor, pid, &record);
                             }
                         }
                         Err(WireError::Io(e))

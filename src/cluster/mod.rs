@@ -31,12 +31,14 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 pub(crate) mod agent;
+mod clock;
 pub(crate) mod data;
 pub(crate) mod driver;
 mod launch;
 pub(crate) mod wire;
 
 pub use agent::{ENV_DATA_ADDR, ENV_DATA_ADVERTISE, EXIT_JOIN_FAILED};
+pub use clock::ClockOffset;
 pub use launch::LocalHosts;
 
 /// The driver's address, `host:port`, in a joining host's environment.
@@ -71,6 +73,9 @@ pub struct HostInfo {
     /// `None` while it is alive; once lost, when and why (a lost host stays listed, as Ray
     /// lists a dead node with `Alive: False`).
     pub lost: Option<HostLoss>,
+    /// Its clock against the driver's, estimated over the heartbeats (`None` until the first
+    /// answer): what the timeline subtracts from its actors' records, and how sure it is.
+    pub clock: Option<ClockOffset>,
 }
 
 impl HostInfo {

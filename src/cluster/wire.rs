@@ -26,7 +26,7 @@ use std::time::Duration;
 /// The first bytes of every join.
 pub(crate) const MAGIC: &[u8; 8] = b"adagjoin";
 /// The protocol's version; a different one is refused with a message naming both.
-pub(crate) const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 4;
 /// How long each side waits for the other's part of the handshake.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest frame read before the peer is authenticated: the join is small.
@@ -119,11 +119,18 @@ pub(crate) enum ToAgent {
         host: u64,
         interval_ms: u64,
         timeout_ms: u64,
+        /// The most verbose `tracing` level the driver lets through (its workers' events
+        /// less severe than this are never sent).
+        log_level: String,
     },
     Refused {
         reason: String,
     },
-    Heartbeat,
+    /// Also the driver's clock when it was sent (`crate::clock::mono_ns`), answered at once
+    /// with [`ToDriver::Clock`]: the samples of the host's clock offset.
+    Heartbeat {
+        driver_ns: u64,
+    },
     /// The driver is going away: exit with everything started here.
     Shutdown,
     /// Request `req`; answered by one `ToDriver::Reply` with the same number.
@@ -152,6 +159,22 @@ pub(crate) enum ToDriver {
         graph: u64,
         actor: String,
         reason: String,
+    },
+    /// The answer to a heartbeat: its `driver_ns`, and this host's clock when it arrived.
+    Clock {
+        driver_ns: u64,
+        agent_ns: u64,
+    },
+    /// Lines the workers of this host wrote, each already prefixed with its actor, pid and
+    /// host: `(true, line)` for stderr.
+    Logs {
+        lines: Vec<(bool, String)>,
+    },
+    /// A `tracing` event of a worker of this host (encoded by the runtime, opaque here).
+    Event {
+        actor: String,
+        pid: u32,
+        record: Vec<u8>,
     },
 }
 
@@ -396,6 +419,7 @@ mod tests {
             host: 3,
             interval_ms: 100,
             timeout_ms: 1000,
+            log_level: "info".into(),
         };
         write_frame(&mut buf, &msg).unwrap();
         assert_eq!(read_frame::<ToAgent>(&mut &buf[..]).unwrap(), msg);
