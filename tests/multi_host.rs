@@ -885,3 +885,213 @@ fn a_killed_driver_leaves_nothing_behind() {
         .collect();
     assert!(left.is_empty(), "left in /dev/shm: {left:?}");
 }
+
+// ---------------------------------------------------------------------------------------
+// Communicator groups across hosts (the TCP backend): collectives, tensor edges, 1F1B
+// ---------------------------------------------------------------------------------------
+
+use adag::{MultiOutput, ReduceOp, Tensor, Transport};
+
+/// A shard of a data-parallel step, or a stage of a pipeline, on some host.
+pub struct Shard {
+    rank: u32,
+    log: Vec<String>,
+}
+
+fn f32s(t: &Tensor) -> Vec<f32> {
+    t.as_slice::<f32>().unwrap().to_vec()
+}
+
+fn scaled(t: &Tensor, k: f32, b: f32) -> Tensor {
+    Tensor::from(f32s(t).iter().map(|v| v * k + b).collect::<Vec<f32>>())
+}
+
+#[adag::actor]
+impl Shard {
+    pub fn new(rank: u32) -> Self {
+        Shard {
+            rank,
+            log: Vec::new(),
+        }
+    }
+
+    /// `n` values that are exact in f32 and differ per rank.
+    pub fn make(&mut self, n: u64) -> Tensor {
+        let r = self.rank as f32;
+        Tensor::from(
+            (0..n)
+                .map(|i| (i % 1000) as f32 + r * 1000.0)
+                .collect::<Vec<f32>>(),
+        )
+    }
+
+    /// (elements, their sum, the first, the last).
+    pub fn digest(&mut self, t: Tensor) -> (u64, f64, f32, f32) {
+        let v = t.as_slice::<f32>().unwrap();
+        (
+            v.len() as u64,
+            v.iter().map(|x| f64::from(*x)).sum(),
+            v.first().copied().unwrap_or(0.0),
+            v.last().copied().unwrap_or(0.0),
+        )
+    }
+
+    pub fn first(&mut self, x: u64, mb: u64) -> Tensor {
+        self.log.push(format!("F{mb}"));
+        let t = Tensor::from((0..4).map(|i| (x + mb + i) as f32).collect::<Vec<f32>>());
+        scaled(&t, self.rank as f32 + 2.0, 1.0)
+    }
+
+    pub fn fwd(&mut self, t: Tensor, mb: u64) -> Tensor {
+        self.log.push(format!("F{mb}"));
+        scaled(&t, self.rank as f32 + 2.0, 1.0)
+    }
+
+    pub fn loss(&mut self, t: Tensor, mb: u64) -> Tensor {
+        self.log.push(format!("B{mb}"));
+        scaled(&t, 1.0, -1.0)
+    }
+
+    pub fn done(&mut self, g: Tensor, mb: u64) -> f64 {
+        self.log.push(format!("B{mb}"));
+        scaled(&g, self.rank as f32 + 2.0, 0.0)
+            .as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| f64::from(*v))
+            .sum()
+    }
+
+    pub fn take_log(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.log)
+    }
+}
+
+/// An allreduce over one actor on each of three hosts, of 1 Ki and of 8 Mi f32: every rank
+/// gets the sum, element for element.
+#[test]
+fn allreduce_over_three_hosts() {
+    let (rt, _hosts, h) = cluster(3);
+    let shards: Vec<_> = h
+        .iter()
+        .enumerate()
+        .map(|(r, host)| {
+            rt.spawn_named::<Shard>(Placement::Host(host.id), format!("shard{r}"), r as u32)
+                .unwrap()
+        })
+        .collect();
+    let dag = Dag::<u64>::new();
+    let n = dag.input();
+    let made: Vec<_> = shards.iter().map(|s| s.make(&n)).collect();
+    let summed = adag::collective::allreduce(&made, ReduceOp::Sum);
+    let digests: Vec<_> = shards
+        .iter()
+        .zip(&summed)
+        .map(|(s, t)| s.digest(t))
+        .collect();
+    let g = dag
+        .compile(MultiOutput(digests), CompileOptions::default())
+        .unwrap();
+    let info = g.communicators();
+    assert_eq!(info.len(), 1, "{info:?}");
+    assert_eq!(info[0].transport, "tcp", "{info:?}");
+    for n in [1024u64, 8 << 20] {
+        // Element i: 3 (i mod 1000) + (0 + 1 + 2) 1000.
+        let want_sum: f64 = (0..n).map(|i| 3.0 * (i % 1000) as f64 + 3000.0).sum();
+        let last = 3.0 * ((n - 1) % 1000) as f32 + 3000.0;
+        for r in g.execute(n).unwrap() {
+            let got = r.get_timeout(GET).unwrap();
+            assert_eq!(got, (n, want_sum, 3000.0, last), "{n} elements");
+        }
+    }
+}
+
+/// A tensor edge between hosts through a communicator (point to point), pipelined.
+#[test]
+fn a_tensor_edge_between_hosts_through_a_communicator() {
+    let (rt, _hosts, h) = cluster(2);
+    let a = rt
+        .spawn_named::<Shard>(Placement::Host(h[0].id), "producer", 2)
+        .unwrap();
+    let b = rt
+        .spawn_named::<Shard>(Placement::Host(h[1].id), "consumer", 0)
+        .unwrap();
+    let dag = Dag::<u64>::new();
+    let t = a
+        .make(dag.input())
+        .with_tensor_transport(Transport::communicator());
+    let g = dag
+        .compile(
+            b.digest(t),
+            CompileOptions::default().max_inflight_executions(8),
+        )
+        .unwrap();
+    assert_eq!(g.communicators()[0].transport, "tcp");
+    let sizes = [1u64, 1000, 1 << 20, 3, 70_000];
+    let refs: Vec<_> = sizes.iter().map(|n| g.execute(*n).unwrap()).collect();
+    for (n, r) in sizes.iter().zip(refs) {
+        let want: f64 = (0..*n).map(|i| (i % 1000) as f64 + 2000.0).sum();
+        assert_eq!(r.get_timeout(GET).unwrap().1, want, "{n} elements");
+    }
+}
+
+/// 1F1B over two hosts: stage 0 on one, stage 1 on the other, activations and gradients
+/// through a communicator; each stage runs its tasks in the order they were bound.
+#[test]
+fn one_f_one_b_over_two_hosts() {
+    let (rt, _hosts, h) = cluster(2);
+    let s0 = rt
+        .spawn_named::<Shard>(Placement::Host(h[0].id), "stage0", 0)
+        .unwrap();
+    let s1 = rt
+        .spawn_named::<Shard>(Placement::Host(h[1].id), "stage1", 1)
+        .unwrap();
+    let dag = Dag::<u64>::new();
+    let x = dag.input();
+    let comm = Transport::communicator;
+    // Stage 0: F0 F1 B0 F2 B1 F3 B2 B3 (one warm-up forward); stage 1: F0 B0 F1 B1 ...
+    let mut act0 = Vec::new();
+    let mut outs = vec![None; 4];
+    let mut pending_grad = std::collections::VecDeque::new();
+    act0.push(s0.first(&x, 0).with_tensor_transport(comm()));
+    for mb in 0..4u64 {
+        let a1 = s1.fwd(&act0[mb as usize], mb);
+        if mb + 1 < 4 {
+            act0.push(s0.first(&x, mb + 1).with_tensor_transport(comm()));
+        }
+        pending_grad.push_back((mb, s1.loss(&a1, mb).with_tensor_transport(comm())));
+        let (m, g) = pending_grad.pop_front().unwrap();
+        outs[m as usize] = Some(s0.done(&g, m));
+    }
+    let outs: Vec<_> = outs.into_iter().map(Option::unwrap).collect();
+    let g = dag
+        .compile(MultiOutput(outs), CompileOptions::default())
+        .unwrap();
+    assert_eq!(g.communicators()[0].transport, "tcp");
+    let reference = |x: u64, mb: u64| -> f64 {
+        let t: Vec<f32> = (0..4).map(|i| (x + mb + i) as f32).collect();
+        let t: Vec<f32> = t.iter().map(|v| v * 2.0 + 1.0).collect();
+        let t: Vec<f32> = t.iter().map(|v| v * 3.0 + 1.0).collect();
+        t.iter().map(|v| f64::from((v - 1.0) * 2.0)).sum()
+    };
+    for x in 0..3u64 {
+        let got: Vec<f64> = g
+            .execute(x)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.get_timeout(GET).unwrap())
+            .collect();
+        let want: Vec<f64> = (0..4).map(|mb| reference(x, mb)).collect();
+        assert_eq!(got, want, "input {x}");
+    }
+    g.teardown().unwrap();
+    let order0 = ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"];
+    let order1 = ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"];
+    for (s, order) in [(&s0, order0), (&s1, order1)] {
+        let log = s.call().take_log().unwrap();
+        let want: Vec<String> = (0..3)
+            .flat_map(|_| order.iter().map(|s| s.to_string()))
+            .collect();
+        assert_eq!(log, want);
+    }
+}

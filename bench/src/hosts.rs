@@ -5,7 +5,7 @@
 use super::{Bench, timed};
 use adag::cluster::{ClusterOptions, HostInfo, LocalHosts};
 use adag::{Buffer, CompileOptions, Placement, RefSet};
-use adag_bench::{Stage, fanout, payload_echo};
+use adag_bench::{Shard, Stage, fanout, payload_echo};
 use anyhow::{Context, Result, ensure};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -27,6 +27,8 @@ impl Bench {
             "fanout3/hosts",
             "payload_1MiB/hosts",
             "payload_100MiB/hosts",
+            "tcp_ring_allreduce_64MiB/hosts_floor",
+            "allreduce_64MiB/hosts",
         ]
         .map(String::from)
         .to_vec();
@@ -34,6 +36,7 @@ impl Bench {
             return Ok(());
         }
         self.raw_tcp()?;
+        self.ring_floor()?;
         if !self.wants_any(&keys[3..]) {
             return Ok(());
         }
@@ -103,6 +106,134 @@ impl Bench {
             row.note = format!("{gbps:.2} GB/s (size / p50 round trip, actor on another host)");
             self.push(row);
         }
+        if self.wants("allreduce_64MiB/hosts") {
+            let n = (64u64 << 20) / 4;
+            let shards = h
+                .iter()
+                .enumerate()
+                .map(|(r, host)| {
+                    self.rt
+                        .spawn::<Shard>(Placement::Host(host.id), (r as u32, n))
+                        .with_context(|| format!("spawning a shard on {}", host.name))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let dag = adag::Dag::<u64>::new();
+            let step = dag.input();
+            let grads: Vec<_> = shards.iter().map(|s| s.grad(&step)).collect();
+            let summed = adag::collective::allreduce(&grads, adag::ReduceOp::Sum);
+            let applied: Vec<_> = shards
+                .iter()
+                .zip(&summed)
+                .map(|(s, g)| s.apply(g))
+                .collect();
+            let g = dag.compile(adag::MultiOutput(applied), self.opts.clone())?;
+            let iters = self.counts.payload(64 << 20);
+            let m = timed(self.counts.warmup(iters).min(iters), iters, |i| {
+                for r in g.execute(i)? {
+                    let v = r.get()?;
+                    ensure!(v == 6.0, "allreduce gave {v}, not 1 + 2 + 3");
+                }
+                Ok(())
+            })?;
+            g.teardown()?;
+            let mut row = m.row("allreduce_64MiB", PLACEMENT, String::new());
+            let algbw = (64u64 << 20) as f64 / (m.p50_us() * 1e-6) / 1e9;
+            row.gb_per_s = Some(algbw);
+            row.note = format!(
+                "{algbw:.2} GB/s of tensor (64 MiB / p50); one actor on each of 3 hosts, TCP communicator"
+            );
+            self.push(row);
+        }
+        Ok(())
+    }
+
+    /// What a ring allreduce of 64 MiB over 3 ranks can reach on these links: three threads,
+    /// each with a loopback TCP connection to the next, all sending `2(n-1)/n` of 64 MiB to
+    /// their successor while receiving as much from their predecessor (what each link carries
+    /// in a ring allreduce, with every link busy at once, as in the real thing).
+    fn ring_floor(&mut self) -> Result<()> {
+        if !self.wants("tcp_ring_allreduce_64MiB/hosts_floor") {
+            return Ok(());
+        }
+        let ranks = 3usize;
+        let bytes = (64usize << 20) * 2 * (ranks - 1) / ranks;
+        let listeners = (0..ranks)
+            .map(|_| TcpListener::bind("127.0.0.1:0"))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let mut outs = Vec::new();
+        let mut ins = Vec::new();
+        for r in 0..ranks {
+            let next = listeners[(r + 1) % ranks].local_addr()?;
+            outs.push(TcpStream::connect(next)?);
+            ins.push(None);
+        }
+        for r in 0..ranks {
+            let (s, _) = listeners[(r + 1) % ranks].accept()?;
+            ins[(r + 1) % ranks] = Some(s);
+        }
+        let iters = self.counts.payload(64 << 20);
+        let warmup = self.counts.warmup(iters).min(iters);
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let mut starts = Vec::new();
+        let mut threads = Vec::new();
+        for (mut out, inp) in outs.into_iter().zip(ins) {
+            let mut inp = inp.context("a ring connection")?;
+            let (start_tx, start_rx) = std::sync::mpsc::channel::<()>();
+            starts.push(start_tx);
+            let done_tx = done_tx.clone();
+            for s in [&out, &inp] {
+                s.set_nodelay(true)?;
+            }
+            threads.push(std::thread::spawn(move || -> std::io::Result<()> {
+                let chunk = 1usize << 20;
+                let src = vec![0x5au8; chunk];
+                let mut dst = vec![0u8; chunk];
+                while start_rx.recv().is_ok() {
+                    std::thread::scope(|s| -> std::io::Result<()> {
+                        let sender = s.spawn(|| -> std::io::Result<()> {
+                            let mut left = bytes;
+                            while left > 0 {
+                                let n = left.min(chunk);
+                                out.write_all(&src[..n])?;
+                                left -= n;
+                            }
+                            Ok(())
+                        });
+                        let mut left = bytes;
+                        while left > 0 {
+                            let n = left.min(chunk);
+                            inp.read_exact(&mut dst[..n])?;
+                            left -= n;
+                        }
+                        sender.join().expect("sender")?;
+                        Ok(())
+                    })?;
+                    let _ = done_tx.send(());
+                }
+                Ok(())
+            }));
+        }
+        let m = timed(warmup, iters, |_| {
+            for start in &starts {
+                start.send(())?;
+            }
+            for _ in 0..ranks {
+                done_rx.recv()?;
+            }
+            Ok(())
+        })?;
+        drop(starts);
+        for t in threads {
+            t.join()
+                .map_err(|_| anyhow::anyhow!("a ring thread panicked"))??;
+        }
+        let mut row: super::Row = m.row("tcp_ring_allreduce_64MiB", "hosts_floor", String::new());
+        let algbw = (64u64 << 20) as f64 / (m.p50_us() * 1e-6) / 1e9;
+        row.gb_per_s = Some(algbw);
+        row.note = format!(
+            "{algbw:.2} GB/s of tensor: a ring's traffic on 3 loopback links at once, the floor of allreduce_64MiB/hosts"
+        );
+        self.push(row);
         Ok(())
     }
 

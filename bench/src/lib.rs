@@ -45,6 +45,31 @@ impl Stage {
     }
 }
 
+/// A data-parallel shard: holds a gradient of `n` f32 and hands it to an allreduce each step.
+pub struct Shard {
+    grad: adag::Tensor,
+}
+
+#[adag::actor]
+impl Shard {
+    /// A shard whose gradient is `n` values of `rank + 1`.
+    pub fn new(rank: u32, n: u64) -> Self {
+        Shard {
+            grad: adag::Tensor::from(vec![rank as f32 + 1.0; n as usize]),
+        }
+    }
+
+    /// The gradient of step `_step` (shared, not copied).
+    pub fn grad(&mut self, _step: u64) -> adag::Tensor {
+        self.grad.clone()
+    }
+
+    /// The first element of the reduced gradient (the check that it arrived).
+    pub fn apply(&mut self, g: adag::Tensor) -> f32 {
+        g.as_slice::<f32>().map_or(f32::NAN, |v| v[0])
+    }
+}
+
 /// `out[i] = input[i] ^ 0x5a`, eight bytes at a time (the compiler vectorises it).
 pub fn xor_into(out: &mut [u8], input: &[u8]) {
     const MASK: u64 = 0x5a5a_5a5a_5a5a_5a5a;

@@ -4,6 +4,7 @@
 use super::call::{CallFailure, call_failure, decode_result, encode_args};
 use super::channels::{ChannelSizes, GraphChannels};
 use super::observe::Observation;
+use super::wire::CommTicket;
 use super::worker::{ProcessLink, graphs};
 use crate::cluster::agent::{AgentContext, AgentServices};
 use crate::cluster::data::DataPlane;
@@ -39,6 +40,9 @@ pub(crate) struct HostPart {
     /// Each host's data port (host 0's address may be unspecified: the driver's address as
     /// the agent reaches it, then).
     pub addrs: Vec<(u64, SocketAddr)>,
+    /// The communicator ranks of each actor there, by actor id (tickets that need no file
+    /// descriptors: their ranks connect over the network).
+    pub comms: Vec<(u64, Vec<CommTicket>)>,
 }
 
 /// Install `part` on its host through the host's agent: returns once every actor of the
@@ -456,7 +460,25 @@ impl AgentServices for AgentWorkers {
                 &chans,
                 installed,
                 done_tx,
-                (Vec::new(), Vec::new()),
+                (
+                    part.comms
+                        .iter()
+                        .find(|(actor, _)| *actor == a.actor)
+                        .map(|(_, tickets)| {
+                            tickets
+                                .iter()
+                                .cloned()
+                                .map(|mut t| {
+                                    // A root listening on every interface: the address this
+                                    // host reaches the driver at.
+                                    crate::comm::tcp::resolve_root(&mut t.ticket, self.driver_ip);
+                                    t
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                    Vec::new(),
+                ),
                 part.timeline,
             )
             .map_err(|e| fail(e.to_string()))?;

@@ -151,6 +151,8 @@ impl Runtime {
             ));
         }
         let driver = ClusterDriver::start(options)?;
+        // Communicator groups that span hosts meet at this address (TCP backend).
+        crate::comm::tcp::set_root_ip(driver.addr().ip());
         driver.set_log_sink(super::logs::RemoteLogs::new());
         let addr = driver.addr();
         *cluster = Some(driver);

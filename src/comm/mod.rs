@@ -56,6 +56,7 @@ use std::time::Duration;
 use zerocopy::FromBytes;
 
 pub mod cpu;
+pub mod tcp;
 
 #[cfg(test)]
 mod tests;
@@ -599,13 +600,18 @@ pub fn register_factory(factory: Arc<dyn CommunicatorFactory>) {
     list.push(factory);
 }
 
-/// The factory of a transport: a registered one, else the built-in CPU factory for `"cpu"`.
+/// The factory of a transport: a registered one, else the built-in CPU factory for `"cpu"`
+/// or TCP factory for `"tcp"`.
 pub fn factory(transport: &str) -> Option<Arc<dyn CommunicatorFactory>> {
     let list = FACTORIES.read().unwrap_or_else(|e| e.into_inner());
     if let Some(f) = list.iter().find(|f| f.transport_name() == transport) {
         return Some(f.clone());
     }
-    (transport == cpu::TRANSPORT).then(|| Arc::new(cpu::CpuFactory::default()) as _)
+    match transport {
+        cpu::TRANSPORT => Some(Arc::new(cpu::CpuFactory::default())),
+        tcp::TRANSPORT => Some(Arc::new(tcp::TcpFactory)),
+        _ => None,
+    }
 }
 
 /// Communicator factories linked into this executable ([`communicator_factory!`]), registered

@@ -323,17 +323,20 @@ fn build_plan(
     for out in outputs {
         readers.entry(out.id).or_default().insert(Loc::Driver);
     }
-    let comm = comms::resolve(nodes, &readers, &actors, &opts.default_communicator)?;
-    for g in &comm.groups {
-        if let Some(a) = g.actors.iter().find(|a| a.host() != 0) {
-            return Err(Error::compile(
-                g.users.first().cloned().unwrap_or_default(),
-                format!(
-                    "its communicator group includes actor {} on host {}, and communicators span only the driver's host; move the tensor through a channel (the default transport) or place the group's actors on the driver's host",
-                    a.name(),
-                    a.host()
-                ),
-            ));
+    let mut comm = comms::resolve(nodes, &readers, &actors, &opts.default_communicator)?;
+    for g in &mut comm.groups {
+        if !g.actors.iter().any(|a| a.host() != 0) {
+            continue;
+        }
+        // The shared-memory backend reaches the ranks of one host: a group the graph makes
+        // that spans hosts talks over TCP instead. Other factories' tickets travel to the
+        // hosts as they are (NCCL's unique id forms one communicator across nodes); a group
+        // whose ranks cannot be opened on another host says so when the graph starts.
+        if let comms::GroupSource::Create { transport } = &mut g.source
+            && transport == crate::comm::cpu::TRANSPORT
+        {
+            *transport = crate::comm::tcp::TRANSPORT.into();
+            g.sends = crate::comm::SendCompletion::Rendezvous;
         }
     }
     let mut edges = BTreeMap::new();

@@ -5,8 +5,10 @@ use crate::actor::HandleCore;
 use crate::actor::channels::ChannelSizes;
 use crate::actor::link::ActorLink;
 use crate::actor::remote::{HostPart, close_on_host, install_on_host};
+use crate::actor::wire::CommTicket;
 use crate::cluster::driver::ClusterDriver;
-use crate::compile::plan::GraphPlan;
+use crate::compile::plan::{GraphPlan, Loc};
+use crate::error::{Error, Result};
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -18,6 +20,34 @@ struct HostState {
     result: Option<Result<(), String>>,
     installed: Vec<Sender<Result<(), String>>>,
     done: Vec<Sender<String>>,
+}
+
+/// The communicator ranks of the actors on `host`: tickets only (no descriptor crosses hosts).
+fn comm_tickets(
+    plan: &GraphPlan,
+    actors: &[HandleCore],
+    comms: &super::comms::CommSetup,
+    host: u64,
+) -> Result<Vec<(u64, Vec<CommTicket>)>> {
+    let mut out = Vec::new();
+    for a in actors
+        .iter()
+        .filter(|a| plan.host_of(Loc::Actor(a.id())) == host)
+    {
+        let (tickets, fds) = comms.tickets(a)?;
+        if !fds.is_empty() {
+            return Err(Error::compile(
+                a.name(),
+                format!(
+                    "its communicator group passes file descriptors to its ranks, which cannot reach host {host}; use a transport whose ranks connect over the network (the graph's own CPU groups do)"
+                ),
+            ));
+        }
+        if !tickets.is_empty() {
+            out.push((a.id(), tickets));
+        }
+    }
+    Ok(out)
 }
 
 /// The parts of one graph on other hosts.
@@ -34,11 +64,14 @@ impl RemoteParts {
         actors: &[HandleCore],
         sizes: &ChannelSizes,
         timeline: bool,
-    ) -> Option<RemoteParts> {
-        let cluster = actors.iter().find_map(|a| match &a.0.link {
+        comms: &super::comms::CommSetup,
+    ) -> Result<Option<RemoteParts>> {
+        let Some(cluster) = actors.iter().find_map(|a| match &a.0.link {
             ActorLink::Remote(link) => Some(link.cluster().clone()),
             _ => None,
-        })?;
+        }) else {
+            return Ok(None);
+        };
         let parts = RemoteParts {
             cluster: cluster.clone(),
             hosts: Arc::new(Mutex::new(HashMap::new())),
@@ -56,6 +89,7 @@ impl RemoteParts {
                 // offset when it builds the timeline.
                 timeline,
                 addrs: addrs.clone(),
+                comms: comm_tickets(plan, actors, comms, host)?,
             };
             let (cluster, hosts) = (cluster.clone(), parts.hosts.clone());
             let spawned = std::thread::Builder::new()
@@ -78,7 +112,7 @@ impl RemoteParts {
                 )));
             }
         }
-        Some(parts)
+        Ok(Some(parts))
     }
 
     /// `installed` hears how the install on `host` went; `done`, when the host closed the

@@ -286,7 +286,14 @@ fn start<I: Value>(
     let obs = stats::Observers::new(plan.clone(), &actors, opts.timeline);
     // Other hosts install their parts first (each connects the network channels it writes,
     // then waits for those it reads), while this host does the same.
-    let remote = RemoteParts::start(&plan, &actors, &sizes, obs.timeline);
+    let remote = match RemoteParts::start(&plan, &actors, &sizes, obs.timeline, &comms) {
+        Ok(r) => r,
+        Err(e) => {
+            comms.destroy_all();
+            chans.close_all();
+            return Err(e);
+        }
+    };
     let fail_early = |e: Error| {
         comms.destroy_all();
         chans.close_all();
