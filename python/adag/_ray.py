@@ -361,6 +361,8 @@ def host_of_ray_node(node_id: Any) -> Optional[Tuple[Optional[int], str]]:
         return 0, "the driver's Ray node"
     agent = state.agents.get(node_id)
     if agent is None:
+        if not _looks_like_ray_node_id(node_id):
+            return None  # adag's own NodeID ("1"), or nothing we know: the caller says
         return None, (
             f"Ray node {node_id} has no adag host (not alive, or it joined the Ray cluster "
             "after adag.init: call adag.add_ray_nodes())"
@@ -372,6 +374,11 @@ def host_of_ray_node(node_id: Any) -> Optional[Tuple[Optional[int], str]]:
         f"the adag host {agent.name} of Ray node {node_id} was lost (the node left, or its "
         "agent died); adag.add_ray_nodes() starts a new one on a live node"
     )
+
+
+def _looks_like_ray_node_id(text: str) -> bool:
+    """Ray's node ids are 28 bytes, written as 56 hex digits."""
+    return len(text) == 56 and all(c in "0123456789abcdef" for c in text.lower())
 
 
 def ray_node_of(host: int) -> Optional[str]:

@@ -216,9 +216,9 @@ def _placement(actor: str, options: Mapping[str, Any], hard: bool = False) -> in
         if soft:
             return 0
         raise PlacementError(
-            f"actor {actor} is placed on Ray node {host} ({how}), but {why}; live hosts: "
-            f"{_describe(nodes())}; or pass soft=True to run the actor on the driver's host "
-            "instead"
+            f"actor {actor} is placed on Ray node {host} ({how}), but {why}; live hosts "
+            f"(adag.nodes() lists the RayNodeID of each): {_describe(nodes())}; or pass "
+            "soft=True to run the actor on the driver's host instead"
         )
     wanted = _host_id(host)
     if wanted == 0:
