@@ -13,6 +13,7 @@ import os
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import gc  # noqa: E402
+import json  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -40,6 +41,8 @@ except ImportError:
 
 W = adag.remote(Where)
 HERE = os.path.dirname(os.path.abspath(__file__))
+ADAG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(adag.__file__)))
+LAUNCHER = os.path.join(os.path.dirname(os.path.dirname(HERE)), "deploy", "ray", "launch.py")
 LOOPBACK = "127.0.0.1"
 
 
@@ -62,6 +65,10 @@ def _processes_with(needle: bytes):
 @pytest.fixture(scope="module")
 def cluster():
     shm_before = set(os.listdir("/dev/shm"))
+    # Ray's processes inherit this environment: programs that the launcher of deploy/ray
+    # starts on the nodes (python -m adag.agent) import this adag.
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [ADAG_ROOT, old_path] if p)
     c = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "node_ip_address": LOOPBACK, "include_dashboard": False},
@@ -80,6 +87,10 @@ def cluster():
         if ray.is_initialized():
             ray.shutdown()
         c.shutdown()
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
@@ -266,6 +277,55 @@ def test_a_killed_driver_leaves_no_agent_or_worker(cluster):
         if p.poll() is None:
             p.kill()
             p.wait(timeout=30)
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+LAUNCHED = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, {here!r})
+    import adag
+    from adag import InputNode
+    from actors import Where
+    # What a Rust driver does under deploy/ray/launch.py: listen where ADAG_LISTEN says, with
+    # ADAG_TOKEN, and wait for ADAG_HOSTS hosts.
+    assert adag.init() == os.environ["ADAG_LISTEN"]
+    hosts = adag.wait_for_nodes(int(os.environ["ADAG_HOSTS"]), timeout=60)[1:]
+    W = adag.remote(Where)
+    actors = [W.options(host=h["NodeID"]).remote(10 ** i) for i, h in enumerate(hosts)]
+    with InputNode() as inp:
+        node = inp
+        for a in actors:
+            node = a.step.bind(node)
+    compiled = node.experimental_compile()
+    values = [compiled.execute(i).get(timeout=30) for i in range(5)]
+    pids = [h["AgentPid"] for h in hosts] + [a.where.remote().get()[1] for a in actors]
+    names = [h["NodeName"] for h in hosts]
+    print("RESULT", json.dumps(dict(values=values, names=names, pids=pids)), flush=True)
+    """
+)
+
+
+def test_the_ray_launcher_runs_a_driver_and_an_agent_per_node(cluster):
+    """deploy/ray/launch.py (the recipe for Rust programs), with a Python driver that reads
+    ADAG_LISTEN/ADAG_TOKEN/ADAG_HOSTS as the Rust driver is to, and `python -m adag.agent`
+    as the agents' program (the Rust binary is its own agent)."""
+    shm_before = set(os.listdir("/dev/shm"))
+    ray_nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    p = subprocess.run(
+        [sys.executable, LAUNCHER, "--ray-address", cluster.address,
+         "--agent-command", f"{sys.executable} -m adag.agent",
+         "--", sys.executable, "-c", LAUNCHED.format(here=HERE)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT"))
+    got = json.loads(line[len("RESULT"):])
+    values, names, pids = got["values"], got["names"], got["pids"]
+    assert len(names) == len(ray_nodes) - 1  # every node but the driver's
+    assert sorted(names) == sorted(f"ray-{n[:12]}" for n in ray_nodes if n != cluster.head_node.node_id)
+    assert values == [i + sum(10 ** k for k in range(len(names))) for i in range(5)]
+    assert wait_gone(pids), "the launcher left an agent or a worker"
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
