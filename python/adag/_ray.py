@@ -222,7 +222,7 @@ def add_ray_nodes(timeout: float = JOIN_TIMEOUT) -> List[Dict[str, Any]]:
             if node_id not in alive_ids or agent.host not in live:
                 _kill_actor(ray, agent.actor)
                 del state.agents[node_id]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = _source_root()
         env = {
             cluster.ENV_JOIN: str(cluster.address()),
             cluster.ENV_TOKEN: str(cluster._token),
@@ -241,6 +241,16 @@ def add_ray_nodes(timeout: float = JOIN_TIMEOUT) -> List[Dict[str, Any]]:
             new.append(agent)
     _wait_joined(ray, new, timeout)
     return cluster.nodes()
+
+
+def _source_root() -> str:
+    """Where this adag is imported from, when that is a source tree (``python/`` of a
+    checkout): the agents' Python looks there first, so that a driver run from a checkout
+    gets agents of the same code wherever the file system is shared. An installed adag
+    (site-packages) gives "": the nodes' Python finds its own installed adag, and
+    site-packages ahead of the standard library could shadow it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return "" if os.path.basename(root) in ("site-packages", "dist-packages") else root
 
 
 def _wait_joined(ray: Any, agents: List[_Agent], timeout: float) -> None:

@@ -68,7 +68,8 @@ def cluster():
     # Ray's processes inherit this environment: programs that the launcher of deploy/ray
     # starts on the nodes (python -m adag.agent) import this adag.
     old_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [ADAG_ROOT, old_path] if p)
+    if os.path.basename(ADAG_ROOT) not in ("site-packages", "dist-packages"):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [ADAG_ROOT, old_path] if p)
     c = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "node_ip_address": LOOPBACK, "include_dashboard": False},
