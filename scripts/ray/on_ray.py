@@ -3,12 +3,14 @@
 
 A local `ray.cluster_utils.Cluster` of a head node (the driver's) and three worker nodes on
 this machine, every one bound to 127.0.0.1 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps Ray
-from rewriting it): all traffic stays on loopback. On it, workload by workload (Ray first,
-then adag, so both see the same background):
+from rewriting it): all traffic stays on loopback. On it:
 
 - Ray Compiled Graphs: one actor per stage, pinned to its node (`NodeAffinitySchedulingStrategy`);
 - adag: `adag.init(ray_address=...)` (Ray's connection of this process), an agent per worker
   node started by Ray, the same stages pinned the same way (by Ray node id).
+
+Both systems' actors live side by side for the whole run; each workload runs on Ray, then on
+adag, before the next one.
 
 Workloads (those of `hosts.py` / adag-bench `*/hosts`): `echo` (one actor on another node),
 `chain3` (one actor on each of the 3 worker nodes, one execution at a time), `chain3_pipe16`
@@ -140,65 +142,76 @@ def main():
                     node = s.add.bind(node)
             return node.experimental_compile(**kw)
 
-        for system in ("ray", "adag"):
-            get = SYSTEMS[system][2]
-            stages = actors(system, [1, 1, 1])
-            echo = actors(system, [0])[0]
-            if want("echo"):
-                dag = chain(system, [echo])
+        made = {system: (actors(system, [1, 1, 1]), actors(system, [0])[0]) for system in SYSTEMS}
 
-                def f(i):
-                    v = get(dag.execute(i))
-                    expect(v == i, f"{system} echo returned {v} for {i}")
+        def echo_rt(system):
+            get, (_, echo) = SYSTEMS[system][2], made[system]
+            dag = chain(system, [echo])
 
-                push(system, "echo", timed(warm(sync), sync, f), "actor on another node")
-                dag.teardown()
-            if want("chain3"):
-                dag = chain(system, stages)
+            def f(i):
+                v = get(dag.execute(i))
+                expect(v == i, f"{system} echo returned {v} for {i}")
 
-                def f(i):
-                    v = get(dag.execute(i))
-                    expect(v == i + 3, f"{system} chain returned {v} for {i}")
+            push(system, "echo", timed(warm(sync), sync, f), "actor on another node")
+            dag.teardown()
 
-                push(system, "chain3", timed(warm(sync), sync, f), "one actor on each of 3 nodes")
-                dag.teardown()
-            if want("chain3_pipe16"):
-                dag = chain(system, stages, _max_inflight_executions=16)
+        def chain3(system):
+            get, (stages, _) = SYSTEMS[system][2], made[system]
+            dag = chain(system, stages)
 
-                def check(i, v):
-                    expect(v == i + 3, f"{system} chain returned {v} for {i}")
+            def f(i):
+                v = get(dag.execute(i))
+                expect(v == i + 3, f"{system} chain returned {v} for {i}")
 
-                try:
-                    m = pipelined(get, dag, 16, warm(2 * sync), 2 * sync, check)
-                    push(system, "chain3_pipe16", m, "16 in flight over 3 nodes")
-                except (ray.exceptions.RayChannelTimeoutError, adag.GetTimeoutError) as e:
-                    print(f"  {system} chain3_pipe16 failed: {type(e).__name__}: {str(e)[:160]}",
-                          file=sys.stderr)
-                    rows.append({"key": "chain3_pipe16/ray-nodes", "system": system,
-                                 "workload": "chain3_pipe16", "placement": "ray-nodes",
-                                 "p50_us": None, "p99_us": None, "throughput_per_s": None,
-                                 "gb_per_s": None, "count": 0,
-                                 "note": f"failed: {type(e).__name__} (submit timed out)"})
-                dag.teardown()
-            if want("payload_100MiB"):
-                size = 100 << 20
-                with SYSTEMS[system][1]() as inp:
-                    out = echo.echo.bind(inp)
-                dag = out.experimental_compile(
-                    _buffer_size_bytes=size + (1 << 16), _max_inflight_executions=2
-                )
-                arr = np.full(size, 0xA5, dtype=np.uint8)
-                n = min(sync, max(payload_bytes // size, 3))
+            push(system, "chain3", timed(warm(sync), sync, f), "one actor on each of 3 nodes")
+            dag.teardown()
 
-                def f(i):
-                    v = get(dag.execute(arr))
-                    expect(v.nbytes == size, f"{system} echo of {size} bytes returned {v.nbytes}")
-                    del v
+        def chain3_pipe16(system):
+            get, (stages, _) = SYSTEMS[system][2], made[system]
+            dag = chain(system, stages, _max_inflight_executions=16)
 
-                push(system, "payload_100MiB", timed(min(warm(n), n), n, f), "")
-                dag.teardown()
-            for a in stages + [echo]:
-                (ray.kill if system == "ray" else adag.kill)(a)
+            def check(i, v):
+                expect(v == i + 3, f"{system} chain returned {v} for {i}")
+
+            try:
+                m = pipelined(get, dag, 16, warm(2 * sync), 2 * sync, check)
+                push(system, "chain3_pipe16", m, "16 in flight over 3 nodes")
+            except (ray.exceptions.RayChannelTimeoutError, adag.GetTimeoutError) as e:
+                # Seen with Ray here: with 16 in flight across nodes its submit times out.
+                print(f"  {system} chain3_pipe16 failed: {type(e).__name__}: {str(e)[:160]}",
+                      file=sys.stderr)
+                rows.append({"key": "chain3_pipe16/ray-nodes", "system": system,
+                             "workload": "chain3_pipe16", "placement": "ray-nodes",
+                             "p50_us": None, "p99_us": None, "throughput_per_s": None,
+                             "gb_per_s": None, "count": 0,
+                             "note": f"failed: {type(e).__name__} (submit timed out)"})
+            dag.teardown()
+
+        def payload(system):
+            get, (_, echo) = SYSTEMS[system][2], made[system]
+            size = 100 << 20
+            with SYSTEMS[system][1]() as inp:
+                out = echo.echo.bind(inp)
+            dag = out.experimental_compile(
+                _buffer_size_bytes=size + (1 << 16), _max_inflight_executions=2
+            )
+            arr = np.full(size, 0xA5, dtype=np.uint8)
+            n = min(sync, max(payload_bytes // size, 3))
+
+            def f(i):
+                v = get(dag.execute(arr))
+                expect(v.nbytes == size, f"{system} echo of {size} bytes returned {v.nbytes}")
+                del v
+
+            push(system, "payload_100MiB", timed(min(warm(n), n), n, f), "")
+            dag.teardown()
+
+        # Workload by workload, Ray then adag: both see the same background load.
+        for name, run in (("echo", echo_rt), ("chain3", chain3), ("chain3_pipe16", chain3_pipe16),
+                          ("payload_100MiB", payload)):
+            if want(name):
+                for system in SYSTEMS:
+                    run(system)
     finally:
         adag.shutdown()
         ray.shutdown()
