@@ -201,6 +201,18 @@ def test_a_ray_node_added_later_joins_and_its_removal_fails_the_graph(cluster):
     worker are gone."""
     node = cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK)
     cluster.wait_for_nodes(timeout=60)
+    # An agent that cannot join (here: handed another secret) is a clear error naming the
+    # Ray node, at once rather than at the timeout; nothing of it stays.
+    token = adag.cluster._token
+    adag.cluster._token = "not-the-secret"
+    try:
+        with pytest.raises(adag.AdagError) as e:
+            adag.add_ray_nodes(timeout=60)
+    finally:
+        adag.cluster._token = token
+    msg = str(e.value)
+    assert node.node_id in msg and "status 3" in msg and "add_ray_nodes" in msg, msg
+    assert node.node_id not in [n["RayNodeID"] for n in adag.nodes()]
     started = time.monotonic()
     ns = adag.add_ray_nodes(timeout=60)
     print(f"adag.add_ray_nodes() took {time.monotonic() - started:.2f} s for 1 agent")
@@ -245,7 +257,9 @@ DRIVER = textwrap.dedent(
     sys.path.insert(0, {here!r})
     import adag
     from actors import Where
-    adag.init(ray_address={address!r}, log_to_driver=False)
+    import ray
+    ray.init(address={address!r}, log_to_driver=False)
+    adag.init(ray_address="auto")  # takes the connection of ray.init() above
     W = adag.remote(Where)
     far = [n for n in adag.nodes() if not n["IsDriver"]]
     actors = [W.options(host=n["NodeID"]).remote(1) for n in far]
@@ -345,6 +359,7 @@ def test_shutdown_leaves_no_agent_worker_or_shared_memory(cluster):
     pids = [n["AgentPid"] for n in far] + [x.where.remote().get(timeout=30)[1] for x in actors]
     assert set(pids) <= set(_processes_with(f"ADAG_TOKEN={token}".encode()))
     adag.shutdown()
+    assert not ray.is_initialized()  # adag.init connected to Ray, so shutdown disconnects
     assert [n for n in adag.nodes() if not n["IsDriver"]] == []
     assert wait_gone(pids), "an agent or a worker outlived adag.shutdown()"
     assert _processes_with(f"ADAG_TOKEN={token}".encode()) == []
