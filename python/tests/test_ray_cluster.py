@@ -18,12 +18,13 @@ import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
 
 import adag  # noqa: E402
-from adag import InputNode  # noqa: E402
+from adag import InputNode, _ray  # noqa: E402
 from adag.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 from actors import Where  # noqa: E402
 from procs import alive, wait_gone  # noqa: E402
@@ -60,6 +61,47 @@ def _processes_with(needle: bytes):
         except OSError:  # gone, or another user's
             pass
     return found
+
+
+def _bound_child(pid_of_parent: int, keep_thread: bool):
+    """`sleep 60` started as the agents are (adag._ray's bootstrap); with ``keep_thread``
+    the forking thread waits for the child (as the agent's actor does), else it ends once
+    the child has set PR_SET_PDEATHSIG."""
+    box, started = {}, threading.Event()
+
+    def run():
+        box["p"] = subprocess.Popen(
+            [sys.executable, "-c", _ray._BOOT, str(pid_of_parent), "/bin/sleep", "60"]
+        )
+        started.set()
+        if keep_thread:
+            box["p"].wait()
+        else:
+            time.sleep(1.0)  # long enough for the child's prctl; then the thread ends
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    started.wait(30)
+    if not keep_thread:
+        t.join(30)
+    return box["p"]
+
+
+def test_an_agent_child_dies_with_its_forking_thread_not_before():
+    """Why the agent's actor forks from a thread that waits: PR_SET_PDEATHSIG fires when the
+    thread that forked the child ends, not only when the process does."""
+    early = _bound_child(os.getpid(), keep_thread=False)
+    assert early.wait(timeout=30) == -signal.SIGKILL  # killed when its thread ended
+    kept = _bound_child(os.getpid(), keep_thread=True)
+    time.sleep(1.0)
+    assert kept.poll() is None  # alive while its thread waits for it
+    kept.kill()
+    kept.wait(timeout=30)
+    # A parent that is gone before the child's prctl: the child exits at once.
+    orphan = subprocess.run(
+        [sys.executable, "-c", _ray._BOOT, "1", "/bin/sleep", "60"], timeout=30
+    )
+    assert orphan.returncode == 1
 
 
 @pytest.fixture(scope="module")
