@@ -254,33 +254,42 @@ def _source_root() -> str:
 
 
 def _wait_joined(ray: Any, agents: List[_Agent], timeout: float) -> None:
-    """Wait until every agent of ``agents`` joined, one failed, or ``timeout`` passed."""
+    """Wait until every agent of ``agents`` joined, one failed, or ``timeout`` passed. Ray is
+    asked about all agents at once (one ``ray.wait`` per round, whatever the node count)."""
     deadline = time.monotonic() + timeout
     next_poll = time.monotonic() + 0.5
     while True:
+        starting = [a for a in agents if a.pid is None and a.failure is None]
+        if starting:
+            ready, _ = ray.wait([a.pid_ref for a in starting], num_returns=len(starting), timeout=0)
+            for a in starting:
+                if a.pid_ref in ready:
+                    try:
+                        a.pid = ray.get(a.pid_ref)
+                    except Exception as e:  # the actor could not start (node died, ...)
+                        a.failure = f"its Ray actor failed: {_first_line(e)}"
         joined = {(name, pid): h for h, name, _, _, pid in _native.hosts()}
         for a in agents:
-            if a.host is not None or a.failure is not None:
-                continue
-            if a.pid is None and ray.wait([a.pid_ref], timeout=0)[0]:
-                try:
-                    a.pid = ray.get(a.pid_ref)
-                except Exception as e:  # the actor could not start (node died, ...)
-                    a.failure = f"its Ray actor failed: {_first_line(e)}"
-            if a.pid is not None:
+            if a.host is None and a.pid is not None:
                 a.host = joined.get((a.name, a.pid))
         waiting = [a for a in agents if a.host is None and a.failure is None]
         if not waiting:
             break
         now = time.monotonic()
-        if now >= next_poll:  # an agent that exited will never join: say so now
+        running = [a for a in waiting if a.pid is not None]
+        if running and now >= next_poll:  # an agent that exited will never join: say so now
             next_poll = now + 0.5
-            for a in waiting:
-                if a.pid is not None:
-                    code = _poll(ray, a)
-                    if code is not None:
-                        why = " (could not join: see its stderr)" if code == 3 else ""
-                        a.failure = f"its agent (pid {a.pid}) exited with status {code}{why}"
+            polls = [a.actor.poll.remote() for a in running]
+            ready, _ = ray.wait(polls, num_returns=len(polls), timeout=5)
+            for a, ref in zip(running, polls):
+                try:
+                    code = ray.get(ref) if ref in ready else None
+                except Exception as e:  # its node left, or the actor was killed
+                    a.failure = f"its Ray actor died: {_first_line(e)}"
+                    continue
+                if code is not None:
+                    why = " (it could not join: see its stderr)" if code == 3 else ""
+                    a.failure = f"its agent (pid {a.pid}) exited with status {code}{why}"
         if now >= deadline:
             for a in waiting:
                 if a.failure is None:
@@ -307,13 +316,6 @@ def _wait_joined(ray: Any, agents: List[_Agent], timeout: float) -> None:
         "is reachable from the node, that the node is alive; then call adag.add_ray_nodes() "
         "(timeout= to wait longer)"
     )
-
-
-def _poll(ray: Any, agent: _Agent) -> Optional[int]:
-    try:
-        return ray.get(agent.actor.poll.remote(), timeout=5)
-    except Exception:
-        return None
 
 
 def _first_line(e: BaseException) -> str:
