@@ -173,21 +173,31 @@ def init(
                 "first, adag.add_ray_nodes() for Ray nodes that joined since, or pass "
                 "ignore_reinit_error=True"
             )
-        started_ray = False
-        if not ray.is_initialized():
+        started_ray = not ray.is_initialized()
+        if started_ray:
             ray.init(address=ray_address, **ray_options)
-            started_ray = True
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        here = ray.get_runtime_context().get_node_id()
-        driver_node = next((n for n in alive if n["NodeID"] == here), None)
-        if cluster.address() is None:
-            ip = (driver_node or {}).get("NodeManagerAddress") or ray.util.get_node_ip_address()
-            cluster.listen(listen or f"{ip}:0", token or secrets.token_hex(16), heartbeat_timeout)
-        elif listen is not None and listen != cluster.address():
-            raise AdagError(
-                f"this driver already listens for hosts on {cluster.address()} (one listener "
-                f"per process); leave out listen={listen!r} to have the Ray nodes join there"
-            )
+        try:
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+            here = ray.get_runtime_context().get_node_id()
+            driver_node = next((n for n in alive if n["NodeID"] == here), None)
+            if cluster.address() is None:
+                ip = (driver_node or {}).get("NodeManagerAddress") or ray.util.get_node_ip_address()
+                host = f"[{ip}]" if ":" in ip else ip
+                cluster.listen(
+                    listen or f"{host}:0", token or secrets.token_hex(16), heartbeat_timeout
+                )
+            elif (listen is not None and listen != cluster.address()) or (
+                token is not None and token != cluster._token
+            ):
+                raise AdagError(
+                    f"this driver already listens for hosts on {cluster.address()} with its "
+                    "secret (one listener per process): leave out listen= and token= to have "
+                    "the Ray nodes join there"
+                )
+        except BaseException:
+            if started_ray:
+                ray.shutdown()
+            raise
         _state = _State(driver_node, started_ray)
     try:
         add_ray_nodes(timeout)

@@ -174,6 +174,9 @@ def test_every_ray_node_has_an_adag_host(cluster):
     assert by_ray[gpu]["Resources"]["GPU"] == 1.0
     assert "GPU" not in by_ray[plain]["Resources"]
     assert cluster.adag_address.startswith(LOOPBACK + ":")
+    with pytest.raises(adag.AdagError, match="already ran"):
+        adag.init(ray_address=cluster.address)
+    assert adag.init(ray_address=cluster.address, ignore_reinit_error=True) == cluster.adag_address
     print(f"adag.init(ray_address=...) took {cluster.adag_init_s:.2f} s for 2 agents")
 
 
