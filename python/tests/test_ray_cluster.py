@@ -389,6 +389,42 @@ def test_the_ray_launcher_runs_a_driver_and_an_agent_per_node(cluster):
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
+RUST_AGENT = os.path.join(
+    os.environ.get("CARGO_TARGET_DIR") or os.path.join(os.path.dirname(ADAG_ROOT), "target"),
+    "release", "examples", "hosts",
+)
+JOINED = textwrap.dedent(
+    """
+    import json, os, adag
+    adag.init()  # ADAG_LISTEN, ADAG_TOKEN from the launcher
+    hosts = adag.wait_for_nodes(int(os.environ["ADAG_HOSTS"]), timeout=60)[1:]
+    exe = lambda pid: os.path.realpath(f"/proc/{pid}/exe")  # one machine here
+    print("JOINED", json.dumps([[h["NodeName"], h["AgentPid"], exe(h["AgentPid"])] for h in hosts]),
+          flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(not os.path.exists(RUST_AGENT), reason="cargo build --release --examples first")
+def test_the_ray_launcher_starts_a_rust_binary_as_each_nodes_agent(cluster):
+    """The Rust side of deploy/ray: the launcher runs a Rust binary (examples/hosts.rs) on
+    every node with ADAG_JOIN, which makes it that node's agent before its main; they join
+    (here a Python driver, which listens the same way) and go when the driver is done."""
+    p = subprocess.run(
+        [sys.executable, LAUNCHER, "--ray-address", cluster.address, "--agent-command", RUST_AGENT,
+         "--", sys.executable, "-c", JOINED],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("JOINED"))
+    joined = json.loads(line[len("JOINED"):])
+    others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != cluster.head_node.node_id]
+    assert sorted(name for name, _, _ in joined) == sorted(f"ray-{n[:12]}" for n in others)
+    # The Rust binary itself was the agent (exec'd by the bootstrap, same pid).
+    assert {exe for _, _, exe in joined} == {os.path.realpath(RUST_AGENT)}
+    assert wait_gone([pid for _, pid, _ in joined]), "a Rust agent outlived the launcher"
+
+
 def test_shutdown_leaves_no_agent_worker_or_shared_memory(cluster):
     """Last: adag.shutdown() kills every agent's Ray actor; nothing of adag is left."""
     shm_before = set(os.listdir("/dev/shm"))
