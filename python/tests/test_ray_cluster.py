@@ -43,7 +43,8 @@ except ImportError:
 W = adag.remote(Where)
 HERE = os.path.dirname(os.path.abspath(__file__))
 ADAG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(adag.__file__)))
-LAUNCHER = os.path.join(os.path.dirname(os.path.dirname(HERE)), "deploy", "ray", "launch.py")
+REPO = os.path.dirname(os.path.dirname(HERE))
+LAUNCHER = os.path.join(REPO, "deploy", "ray", "launch.py")
 LOOPBACK = "127.0.0.1"
 
 
@@ -389,9 +390,9 @@ def test_the_ray_launcher_runs_a_driver_and_an_agent_per_node(cluster):
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 
+# Built by `cargo test --workspace --release` (CI runs it before the Python suite).
 RUST_AGENT = os.path.join(
-    os.environ.get("CARGO_TARGET_DIR") or os.path.join(os.path.dirname(ADAG_ROOT), "target"),
-    "release", "examples", "hosts",
+    os.environ.get("CARGO_TARGET_DIR") or os.path.join(REPO, "target"), "release", "examples", "hosts"
 )
 JOINED = textwrap.dedent(
     """
