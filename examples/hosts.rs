@@ -108,6 +108,11 @@ fn main() -> anyhow::Result<()> {
             joined[2].name
         ),
     }
-    println!("hosts still joined: {}", rt.hosts().len());
+    for h in rt.hosts() {
+        match &h.lost {
+            None => println!("host {} ({}): alive", h.name, h.id),
+            Some(loss) => println!("host {} ({}): lost: {}", h.name, h.id, loss.reason),
+        }
+    }
     Ok(())
 }

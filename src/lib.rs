@@ -6,6 +6,7 @@
 pub mod actor;
 mod buffer;
 mod channel;
+mod clock;
 pub mod cluster;
 pub mod comm;
 pub mod compile;
@@ -29,8 +30,8 @@ pub use dag::{
 pub use error::{Capacity, CompileProblem, Error, MethodError, Result};
 pub use exec::{
     ActorStats, AsyncPipeline, AsyncRefSet, CommunicatorInfo, CompiledGraph, CompiledRef,
-    EdgeStats, First, GraphStats, IndexedInput, IntoOutputs, OpKind, Pipeline, RefSet, Timeline,
-    TimelineEvent, get_all, get_all_timeout, wait_first, wait_first_async,
+    EdgeStats, First, GraphStats, HostClock, IndexedInput, IntoOutputs, OpKind, Pipeline, RefSet,
+    Timeline, TimelineEvent, get_all, get_all_timeout, wait_first, wait_first_async,
 };
 pub use tensor::{DType, Device, Element, Tensor, TensorError};
 pub use value::{AnyValue, TypeTag, Value};

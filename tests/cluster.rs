@@ -144,14 +144,29 @@ fn a_killed_host_is_lost_and_the_others_stay() {
     let mut hosts = LocalHosts::start(2, addr, SECRET).unwrap();
     let joined = rt.wait_for_hosts(2, JOIN_TIMEOUT).unwrap();
     let victim = joined.iter().find(|h| h.name == "local-0").unwrap().id;
+    let killed_at = std::time::SystemTime::now();
     hosts.kill(0).unwrap();
     eventually(
         "the killed host to be lost",
         Duration::from_secs(10),
-        || rt.hosts().iter().all(|h| h.id != victim),
+        || rt.hosts().iter().any(|h| h.id == victim && !h.is_alive()),
     );
-    assert_eq!(rt.hosts().len(), 1);
-    assert_eq!(rt.hosts()[0].name, "local-1");
+    // The lost host stays listed (Ray's `Alive: False`), with when and why; the other is alive.
+    let listed = rt.hosts();
+    assert_eq!(listed.len(), 2);
+    let lost = listed.iter().find(|h| h.id == victim).unwrap();
+    let loss = lost.lost.as_ref().unwrap();
+    assert!(loss.at >= killed_at, "{loss:?}");
+    assert!(loss.reason.contains("connection"), "{loss:?}");
+    let alive: Vec<_> = listed.iter().filter(|h| h.is_alive()).collect();
+    assert_eq!(alive.len(), 1);
+    assert_eq!(alive[0].name, "local-1");
+    // Waiting counts only live hosts.
+    assert!(rt.wait_for_hosts(2, Duration::from_millis(300)).is_err());
+    assert_eq!(
+        rt.wait_for_hosts(1, JOIN_TIMEOUT).unwrap()[0].name,
+        "local-1"
+    );
 }
 
 /// A listener that does not know the secret: the agent refuses to trust it and exits with
@@ -178,6 +193,7 @@ enum ToAgent {
         host: u64,
         interval_ms: u64,
         timeout_ms: u64,
+        log_level: String,
     },
 }
 
@@ -212,6 +228,7 @@ fn an_agent_leaves_a_silent_driver() {
         host: 1,
         interval_ms: 100,
         timeout_ms: 500,
+        log_level: "off".into(),
     })
     .unwrap();
     s.write_all(&(welcome.len() as u32).to_le_bytes()).unwrap();
@@ -355,4 +372,137 @@ fn agents_leave_with_their_workers() {
     eventually("the workers to exit", Duration::from_secs(10), || {
         workers.iter().all(|p| !alive(*p))
     });
+}
+
+const ENV_ROLE: &str = "ADAG_TEST_ENV_LISTEN_DRIVER";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Waits (bounded) for `child` to exit; kills it past `limit`.
+fn exit_code(child: &mut std::process::Child, limit: Duration) -> Option<i32> {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status.code();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("process {} still running after {limit:?}", child.id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A driver configured only by its launcher: `ADAG_LISTEN` and `ADAG_TOKEN` in the
+/// environment, no `listen` call. It waits for one host, lists it, and exits 0.
+#[test]
+#[ignore = "run by a_driver_listens_where_adag_listen_says"]
+fn env_listen_driver_role() {
+    if std::env::var(ENV_ROLE).is_err() {
+        return;
+    }
+    let rt = Runtime::new().unwrap();
+    let joined = rt.wait_for_hosts(1, JOIN_TIMEOUT).unwrap();
+    println!("JOINED {}", joined[0].name);
+    // A second runtime of the process does not try the same address.
+    let second = Runtime::new().unwrap();
+    assert!(second.hosts().is_empty());
+}
+
+#[test]
+fn a_driver_listens_where_adag_listen_says() {
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    // The host starts first and waits for the driver (a launcher's order is any).
+    let mut hosts = LocalHosts::start(1, addr, SECRET).unwrap();
+    let mut driver = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "env_listen_driver_role",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(ENV_ROLE, "1")
+        .env(adag::cluster::ENV_LISTEN, addr.to_string())
+        .env(adag::cluster::ENV_TOKEN, SECRET)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = String::new();
+    let code = exit_code(&mut driver, Duration::from_secs(120));
+    driver
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("JOINED local-0"), "{out}");
+    // The driver left: its host follows.
+    assert_eq!(hosts.wait(0).unwrap(), Some(0));
+}
+
+#[test]
+fn adag_listen_without_a_token_is_an_error_naming_both() {
+    let mut driver = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "env_listen_driver_role",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(ENV_ROLE, "1")
+        .env(adag::cluster::ENV_LISTEN, "127.0.0.1:0")
+        .env_remove(adag::cluster::ENV_TOKEN)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let code = exit_code(&mut driver, Duration::from_secs(60));
+    let mut out = String::new();
+    driver
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    driver
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        out.contains("ADAG_TOKEN is not set") && out.contains("ADAG_LISTEN"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_host_keeps_trying_for_adag_join_timeout_then_gives_up() {
+    let nobody: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let started = Instant::now();
+    let mut hosts = LocalHosts::start_with_env(
+        nobody,
+        SECRET,
+        vec![vec![(
+            adag::cluster::ENV_JOIN_TIMEOUT.to_string(),
+            "1.5".to_string(),
+        )]],
+    )
+    .unwrap();
+    assert_eq!(hosts.wait(0).unwrap(), Some(EXIT_JOIN_FAILED));
+    // It tried for its window, not the default 30 s.
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1000) && took < Duration::from_secs(20),
+        "{took:?}"
+    );
 }

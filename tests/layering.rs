@@ -16,25 +16,29 @@ use std::path::{Path, PathBuf};
 
 /// What each top-level module of `src/` may import (besides itself).
 fn allowed(module: &str) -> Option<&'static [&'static str]> {
-    const VALUES: &[&str] = &["sync", "value", "buffer", "tensor", "error"];
+    const VALUES: &[&str] = &["sync", "clock", "value", "buffer", "tensor", "error"];
     Some(match module {
-        "sync" => &[],
+        "sync" | "clock" => &[],
         "error" => &["value"],
         "value" => &["sync", "error"],
         "buffer" => &["value", "error"],
         "tensor" => &["value", "buffer", "error"],
         "comm" => VALUES,
-        "dag" => &["sync", "value", "buffer", "tensor", "error", "comm"],
-        "compile" => &["sync", "value", "buffer", "tensor", "error", "comm", "dag"],
+        "dag" => &[
+            "sync", "clock", "value", "buffer", "tensor", "error", "comm",
+        ],
+        "compile" => &[
+            "sync", "clock", "value", "buffer", "tensor", "error", "comm", "dag",
+        ],
         "channel" => VALUES,
         "cluster" => VALUES,
         "actor" => &[
-            "sync", "value", "buffer", "tensor", "error", "comm", "dag", "compile", "channel",
-            "cluster",
+            "sync", "clock", "value", "buffer", "tensor", "error", "comm", "dag", "compile",
+            "channel", "cluster",
         ],
         "exec" => &[
-            "sync", "value", "buffer", "tensor", "error", "comm", "dag", "compile", "channel",
-            "cluster", "actor",
+            "sync", "clock", "value", "buffer", "tensor", "error", "comm", "dag", "compile",
+            "channel", "cluster", "actor",
         ],
         // The crate root re-exports everything.
         "lib" => return None,

@@ -63,6 +63,54 @@ fn on(rt: &Runtime, h: &HostInfo, add: u64) -> adag::ActorHandle<Stage> {
         .unwrap_or_else(|e| panic!("spawn on {}: {e}", h.name))
 }
 
+/// The measured attack on a data port: 200 idle connections from strangers to each other
+/// host's data port (and the driver's) used to take every handshake place, so every compile
+/// touching that host failed within a millisecond; now graphs compile and run, and the
+/// strangers are dropped. Then the hosts leave promptly when the driver goes.
+#[test]
+fn idle_strangers_on_data_ports_do_not_stop_compiles() {
+    let (rt, mut hosts, h) = cluster(2);
+    let mut strangers = Vec::new();
+    for host in &h {
+        for _ in 0..200 {
+            strangers.push(std::net::TcpStream::connect(host.data_address).unwrap());
+        }
+    }
+    let a = on(&rt, &h[0], 1);
+    let b = on(&rt, &h[1], 10);
+    for round in 0..3u64 {
+        let dag = Dag::<u64>::new();
+        let out = b.step(a.step(dag.input()));
+        let g = dag
+            .compile(out, CompileOptions::default())
+            .unwrap_or_else(|e| panic!("round {round}, with 400 strangers connected: {e}"));
+        assert_eq!(
+            g.execute(round).unwrap().get_timeout(GET).unwrap(),
+            round + 11
+        );
+        g.teardown().unwrap();
+    }
+    // Every stranger is dropped unproven: a read ends (closed or reset), it does not hang.
+    for s in &mut strangers {
+        use std::io::Read;
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut rest = [0u8; 64];
+        loop {
+            match s.read(&mut rest) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {} // the greeting
+            }
+        }
+    }
+    let pids = hosts.pids();
+    drop((a, b));
+    drop(rt);
+    for (i, pid) in pids.iter().enumerate() {
+        assert_eq!(hosts.wait(i).unwrap(), Some(0), "agent {pid} left cleanly");
+        assert!(!alive(*pid));
+    }
+}
+
 /// A chain over three hosts, executed one at a time and pipelined.
 #[test]
 fn a_chain_over_three_hosts() {
@@ -302,8 +350,8 @@ fn actor_stats<'a>(s: &'a adag::GraphStats, name: &str) -> &'a adag::ActorStats 
 
 /// Actors on other hosts report their counters through their agent, like worker processes
 /// over their control socket: executions, busy time, and the messages of the edges they
-/// write; after teardown their final counts are kept. Their records stay off the driver's
-/// timeline (another host's clock).
+/// write; after teardown their final counts are kept. Their records are on the driver's
+/// timeline, with each host's clock estimate.
 #[test]
 fn stats_of_actors_on_other_hosts_are_collected_and_kept_after_teardown() {
     let (rt, _hosts, h) = cluster(2);
@@ -351,14 +399,14 @@ fn stats_of_actors_on_other_hosts_are_collected_and_kept_after_teardown() {
         );
     }
     let timeline = g.timeline();
-    assert!(
-        timeline.events.iter().any(|e| e.actor == "LocalT"),
-        "{timeline:?}"
-    );
-    assert!(
-        timeline.events.iter().all(|e| e.actor == "LocalT"),
-        "records of another host on the driver's timeline: {timeline:?}"
-    );
+    for name in ["LocalT", "RemoteA", "RemoteB"] {
+        assert_eq!(
+            timeline.events.iter().filter(|e| e.actor == name).count() as u64,
+            3 * n,
+            "{name}: a read, a compute and a write per execution"
+        );
+    }
+    assert_eq!(timeline.clocks.len(), 2, "{:?}", timeline.clocks);
 
     g.teardown().unwrap();
     // A second graph over the same actors must not change the first one's final report.
@@ -378,6 +426,106 @@ fn stats_of_actors_on_other_hosts_are_collected_and_kept_after_teardown() {
     }
     let s2 = stats_once(|| g2.stats(), |s| actor_stats(s, "RemoteA").executions == 1);
     assert_eq!(actor_stats(&s2, "RemoteA").executions, 1, "{s2:?}");
+}
+
+/// Hosts whose clocks differ from the driver's (an injected skew: one host 5 s ahead, one
+/// 3 s behind): the driver estimates each offset over the heartbeats within its stated bound,
+/// and the timeline places their slices on the driver's clock, so that every execution's
+/// operations come in the order they happened along the chain.
+#[test]
+fn remote_slices_are_placed_on_the_drivers_clock_despite_skewed_hosts() {
+    let skews: [i64; 2] = [5_000_000_000, -3_000_000_000];
+    let rt = Runtime::new().unwrap();
+    let addr = rt
+        .listen(ClusterOptions::new(SECRET).heartbeat_interval(Duration::from_millis(50)))
+        .unwrap();
+    let env = skews
+        .iter()
+        .map(|s| vec![("ADAG_CLOCK_SKEW_NS".to_string(), s.to_string())])
+        .collect();
+    let _hosts = LocalHosts::start_with_env(addr, SECRET, env).unwrap();
+    let mut h = rt.wait_for_hosts(2, JOIN_TIMEOUT).unwrap();
+    h.sort_by(|a, b| a.name.cmp(&b.name));
+    // A few heartbeats answered: each host has an estimate.
+    let started = Instant::now();
+    while !rt
+        .hosts()
+        .iter()
+        .all(|h| h.clock.is_some_and(|c| c.samples >= 5))
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            rt.hosts()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for (host, skew) in h.iter().zip(skews) {
+        let clock = rt
+            .hosts()
+            .into_iter()
+            .find(|x| x.id == host.id)
+            .unwrap()
+            .clock
+            .unwrap();
+        assert!(
+            (clock.offset_ns - skew).unsigned_abs() <= clock.bound_ns,
+            "{}: estimated {clock:?}, injected {skew}",
+            host.name
+        );
+    }
+    let first = rt.spawn_named::<Stage>(Placement::Thread, "T0", 1).unwrap();
+    let a = rt
+        .spawn_named::<Stage>(Placement::Host(h[0].id), "Ahead", 10)
+        .unwrap();
+    let b = rt
+        .spawn_named::<Stage>(Placement::Host(h[1].id), "Behind", 100)
+        .unwrap();
+    let last = rt
+        .spawn_named::<Stage>(Placement::Thread, "T1", 1000)
+        .unwrap();
+    let dag = Dag::<u64>::new();
+    let g = dag
+        .compile(
+            last.step(b.step(a.step(first.step(dag.input())))),
+            CompileOptions::default().timeline(true),
+        )
+        .unwrap();
+    let n = 20u64;
+    for i in 0..n {
+        assert_eq!(g.execute(i).unwrap().get_timeout(GET).unwrap(), i + 1111);
+    }
+    g.teardown().unwrap();
+    let t = g.timeline();
+    assert_eq!(t.clocks.len(), 2, "{:?}", t.clocks);
+    let slack: u64 = t.clocks.iter().map(|c| c.bound_ns).sum();
+    let compute = |actor: &str, exec: u64| {
+        t.events
+            .iter()
+            .find(|e| e.actor == actor && e.exec == exec && e.kind == adag::OpKind::Compute)
+            .unwrap_or_else(|| panic!("no compute of {actor} for execution {exec}"))
+            .clone()
+    };
+    for exec in 0..n {
+        let chain = ["T0", "Ahead", "Behind", "T1"].map(|a| compute(a, exec));
+        for pair in chain.windows(2) {
+            // Each stage computes after the one before it finished, on the driver's clock,
+            // up to the estimates' bounds.
+            assert!(
+                pair[1].start_ns + slack >= pair[0].end_ns,
+                "execution {exec}: {} computed at {} before {} ended at {} (slack {slack} ns)",
+                pair[1].actor,
+                pair[1].start_ns,
+                pair[0].actor,
+                pair[0].end_ns
+            );
+        }
+    }
+    let json = t.to_chrome_json();
+    assert!(
+        json.contains("host_clocks") && json.contains("local-0"),
+        "{json}"
+    );
 }
 
 /// A remote worker that does not answer (frozen), then one that is dead: `stats()` returns

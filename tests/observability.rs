@@ -79,6 +79,7 @@ fn scenario() {
         Ok("logs") => scenario_logs(),
         Ok("flood") => scenario_flood(),
         Ok("trace") => scenario_trace(),
+        Ok("hosts") => scenario_hosts(),
         _ => {}
     }
 }
@@ -108,6 +109,37 @@ fn scenario_logs() {
     // them a moment before this process exits (nothing here can wait on them).
     drop((p, t));
     std::thread::sleep(Duration::from_millis(500));
+    println!("SCENARIO DONE");
+}
+
+/// A worker on another host (an agent started here as its own process tree) writes and emits
+/// events; the driver prints them as its own workers'.
+fn scenario_hosts() {
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(std::io::stdout)
+        .init();
+    let rt = Runtime::new().unwrap();
+    let addr = rt
+        .listen(adag::cluster::ClusterOptions::new("obs-secret"))
+        .unwrap();
+    let _hosts = adag::cluster::LocalHosts::start(1, addr, "obs-secret").unwrap();
+    let joined = rt.wait_for_hosts(1, Duration::from_secs(60)).unwrap();
+    let far = rt
+        .spawn_named::<Chatty>(Placement::Host(joined[0].id), "Far", 1)
+        .unwrap();
+    let dag = Dag::<u64>::new();
+    let graph = dag
+        .compile(far.talk(dag.input()), CompileOptions::default())
+        .unwrap();
+    for i in 0..3 {
+        assert_eq!(graph.execute(i).unwrap().get().unwrap(), i + 1);
+    }
+    graph.teardown().unwrap();
+    drop(graph);
+    drop(far);
+    // The lines cross the network after the worker wrote them: wait (bounded) before leaving.
+    std::thread::sleep(Duration::from_millis(1500));
     println!("SCENARIO DONE");
 }
 
@@ -249,6 +281,38 @@ fn worker_output_and_tracing_reach_the_driver_with_the_actor_and_pid() {
         .count();
     // Two actors, three operations each, three executions.
     assert_eq!(slices, 18, "{json}");
+}
+
+#[test]
+fn output_and_events_of_workers_on_other_hosts_reach_the_driver_with_the_host() {
+    let (stdout, stderr) = run_child("hosts", &[]);
+    let all = format!("--- stdout\n{stdout}\n--- stderr\n{stderr}");
+    assert!(stdout.contains("SCENARIO DONE"), "{all}");
+    for x in 0..3 {
+        assert!(
+            stdout.lines().any(|l| l.starts_with("(Far pid=")
+                && l.ends_with(&format!(", host=local-0) stdout line {x}"))),
+            "no prefixed stdout line {x} of the remote worker\n{all}"
+        );
+        assert!(
+            stderr.lines().any(|l| l.starts_with("(Far pid=")
+                && l.ends_with(&format!(", host=local-0) stderr line {x}"))),
+            "no prefixed stderr line {x} of the remote worker\n{all}"
+        );
+    }
+    let forwarded: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains("tracing info") && l.contains("adag::worker"))
+        .collect();
+    assert_eq!(forwarded.len(), 3, "{all}");
+    for l in &forwarded {
+        assert!(
+            l.contains("Far") && l.contains("local-0") && l.contains(" INFO "),
+            "{l}"
+        );
+    }
+    // The driver's level (INFO) reached the remote worker: no debug event crossed.
+    assert!(!all.contains("tracing debug"), "{all}");
 }
 
 #[test]

@@ -131,6 +131,9 @@ class _State:
         )
         self.started_ray = started_ray
         self.agents: Dict[str, _Agent] = {}
+        # Every host an agent of ours ever was (lost ones too, which adag.nodes() still
+        # lists): host id -> (Ray node id, the node's resources).
+        self.hosts: Dict[int, Tuple[str, Dict[str, float]]] = {}
 
 
 _lock = threading.RLock()
@@ -282,6 +285,8 @@ def _wait_joined(ray: Any, agents: List[_Agent], timeout: float) -> None:
         for a in agents:
             if a.host is None and a.pid is not None:
                 a.host = joined.get((a.name, a.pid))
+                if a.host is not None and _state is not None:
+                    _state.hosts[a.host] = (a.node_id, a.resources)
         waiting = [a for a in agents if a.host is None and a.failure is None]
         if not waiting:
             break
@@ -411,10 +416,8 @@ def ray_node_of(host: int) -> Optional[str]:
         return None
     if host == 0:
         return state.driver_node_id
-    for a in state.agents.values():
-        if a.host == host:
-            return a.node_id
-    return None
+    known = state.hosts.get(host)
+    return known[0] if known else None
 
 
 def resources_of(host: int) -> Optional[Dict[str, float]]:
@@ -424,10 +427,8 @@ def resources_of(host: int) -> Optional[Dict[str, float]]:
         return None
     if host == 0:
         return dict(state.driver_resources) if state.driver_node_id else None
-    for a in state.agents.values():
-        if a.host == host:
-            return dict(a.resources)
-    return None
+    known = state.hosts.get(host)
+    return dict(known[1]) if known else None
 
 
 def request(options: Mapping[str, Any]) -> Dict[str, float]:

@@ -113,9 +113,23 @@ def _joined(hosts: Sequence[Tuple[int, str, str, int, int]]) -> List[Dict[str, A
     ]
 
 
+def _listed(hosts: Sequence[Tuple[Any, ...]]) -> List[Dict[str, Any]]:
+    nodes = []
+    for h, name, addr, cores, pid, lost_at, why in hosts:
+        node = _node(h, name, addr.rsplit(":", 1)[0].strip("[]"), cores, pid)
+        if lost_at is not None:
+            node["Alive"] = False
+            node["DeathReasonMessage"] = why
+            node["LostAt"] = lost_at
+        nodes.append(node)
+    return nodes
+
+
 def nodes() -> List[Dict[str, Any]]:
-    """The live hosts (Ray's ``ray.nodes()``): the driver's host first (``"NodeID": "0"``),
-    then every host that joined and is alive, in joining order.
+    """Every host (Ray's ``ray.nodes()``): the driver's host first (``"NodeID": "0"``), then
+    every host that joined, in joining order; a host that was lost stays listed with
+    ``"Alive": False``, ``"DeathReasonMessage"`` (why) and ``"LostAt"`` (when, seconds since
+    the epoch), as Ray lists a dead node.
 
     Each is a dict with Ray's keys ``"NodeID"`` (pass it to
     ``NodeAffinitySchedulingStrategy``), ``"Alive"``, ``"NodeName"``,
@@ -125,7 +139,7 @@ def nodes() -> List[Dict[str, Any]]:
     node the host runs on, which ``NodeAffinitySchedulingStrategy`` takes too; else
     ``None``).
     """
-    return [_driver_node()] + _joined(_native.hosts())
+    return [_driver_node()] + _listed(_native.all_hosts())
 
 
 def wait_for_nodes(count: int, timeout: float = 60.0) -> List[Dict[str, Any]]:
@@ -217,7 +231,8 @@ def _placement(actor: str, options: Mapping[str, Any], hard: bool = False) -> in
             return 0
         raise PlacementError(
             f"actor {actor} is placed on Ray node {host} ({how}), but {why}; live hosts "
-            f"(adag.nodes() lists the RayNodeID of each): {_describe(nodes())}; or pass "
+            f"(adag.nodes() lists the RayNodeID of each): "
+            f"{_describe([n for n in nodes() if n['Alive']])}; or pass "
             "soft=True to run the actor on the driver's host instead"
         )
     wanted = _host_id(host)
@@ -244,7 +259,7 @@ def _placement(actor: str, options: Mapping[str, Any], hard: bool = False) -> in
             fix += " (on a Ray cluster: a RayNodeID of adag.nodes() works too)"
     raise PlacementError(
         f"actor {actor} is placed on host {host!r} ({how}), but no live host has that "
-        f"NodeID (live: {_describe(nodes())}); {fix}"
+        f"NodeID (live: {_describe([n for n in nodes() if n['Alive']])}); {fix}"
     )
 
 

@@ -25,7 +25,7 @@ fn runtime() -> PyResult<&'static Runtime> {
     if let Some(rt) = RT.get() {
         return Ok(rt);
     }
-    let rt = Runtime::new().map_err(|e| Python::with_gil(|py| to_py_err(py, e)))?;
+    let rt = Runtime::without_env();
     Ok(RT.get_or_init(|| rt))
 }
 
@@ -232,7 +232,34 @@ pub fn listen(
 /// The hosts that joined and are alive, in joining order.
 #[pyfunction]
 pub fn hosts() -> PyResult<Vec<HostTuple>> {
-    Ok(runtime()?.hosts().iter().map(host_tuple).collect())
+    Ok(runtime()?
+        .hosts()
+        .iter()
+        .filter(|h| h.is_alive())
+        .map(host_tuple)
+        .collect())
+}
+
+/// A host as `all_hosts` lists it: [`HostTuple`], then when it was lost (seconds since the
+/// epoch) and why, both `None` while it is alive.
+type ListedHost = (u64, String, String, usize, u32, Option<f64>, Option<String>);
+
+/// Every host that joined, lost ones too.
+#[pyfunction]
+pub fn all_hosts() -> PyResult<Vec<ListedHost>> {
+    Ok(runtime()?
+        .hosts()
+        .iter()
+        .map(|h| {
+            let (id, name, addr, cores, pid) = host_tuple(h);
+            let at = h.lost.as_ref().map(|l| {
+                l.at.duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64())
+            });
+            let why = h.lost.as_ref().map(|l| l.reason.clone());
+            (id, name, addr, cores, pid, at, why)
+        })
+        .collect())
 }
 
 /// Wait until `n` hosts have joined, up to `timeout` seconds; the hosts.

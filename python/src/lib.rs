@@ -46,6 +46,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(driver::get, m)?)?;
     m.add_function(wrap_pyfunction!(driver::listen, m)?)?;
     m.add_function(wrap_pyfunction!(driver::hosts, m)?)?;
+    m.add_function(wrap_pyfunction!(driver::all_hosts, m)?)?;
     m.add_function(wrap_pyfunction!(driver::wait_for_hosts, m)?)?;
     m.add_class::<driver::NativeActor>()?;
     m.add_class::<driver::NativeGraph>()?;

@@ -188,7 +188,11 @@ def test_lost_host_fails_the_graph_and_leaves_nothing():
             compiled.execute(2).get(timeout=30)
         assert "far" in str(e.value) and "py-lost" in str(e.value), str(e.value)
         compiled.teardown()
-        assert node not in [n["NodeID"] for n in adag.nodes()]
+        # The lost host stays listed, dead, with when and why (Ray's `Alive: False`).
+        (gone,) = [n for n in adag.nodes() if n["NodeID"] == node]
+        assert gone["Alive"] is False and gone["NodeName"] == "py-lost", gone
+        assert "connection" in gone["DeathReasonMessage"], gone
+        assert abs(gone["LostAt"] - time.time()) < 120, gone
         assert wait_gone(lone.pids + [worker])
     finally:
         lone.stop()

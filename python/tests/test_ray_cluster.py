@@ -153,7 +153,7 @@ def _ray_nodes(c):
 
 def test_every_ray_node_has_an_adag_host(cluster):
     head, plain, gpu = _ray_nodes(cluster)
-    ns = adag.nodes()
+    ns = [n for n in adag.nodes() if n["Alive"]]  # hosts lost earlier stay listed, not alive
     by_ray = {n["RayNodeID"]: n for n in ns}
     assert set(by_ray) == {head, plain, gpu}, ns
     # The driver's own Ray node is the driver's host; the others run an agent each.
@@ -187,7 +187,7 @@ def test_chain_over_three_ray_nodes_placed_by_ray_node_id(cluster):
     a = W.options(scheduling_strategy=RayNodeAffinity(head, soft=False)).remote(1)
     b = W.options(scheduling_strategy=NodeAffinitySchedulingStrategy(plain, soft=False)).remote(10)
     c = W.options(scheduling_strategy=RayNodeAffinity(gpu, soft=False)).remote(100)
-    hosts = {n["RayNodeID"]: n for n in adag.nodes()}
+    hosts = {n["RayNodeID"]: n for n in adag.nodes() if n["Alive"]}
     assert [x._node_id for x in (a, b, c)] == [hosts[r]["NodeID"] for r in (head, plain, gpu)]
     where = [x.where.remote().get(timeout=30) for x in (a, b, c)]
     # The driver's host has no ADAG_HOST_NAME; the others are the agents of their Ray nodes.
@@ -207,7 +207,7 @@ def test_chain_over_three_ray_nodes_placed_by_ray_node_id(cluster):
 
 def test_resources_choose_the_ray_node_and_refuse_when_none_has_them(cluster):
     head, plain, gpu = _ray_nodes(cluster)
-    hosts = {n["RayNodeID"]: n["NodeID"] for n in adag.nodes()}
+    hosts = {n["RayNodeID"]: n["NodeID"] for n in adag.nodes() if n["Alive"]}
     g = W.options(num_gpus=1, name="gpu-one").remote(0)
     assert g._node_id == hosts[gpu]
     # The only GPU is held: a second actor asking for one is refused, naming what is free.
@@ -258,7 +258,7 @@ def test_a_ray_node_added_later_joins_and_its_removal_fails_the_graph(cluster):
         adag.cluster._token = token
     msg = str(e.value)
     assert node.node_id in msg and "status 3" in msg and "add_ray_nodes" in msg, msg
-    assert node.node_id not in [n["RayNodeID"] for n in adag.nodes()]
+    assert node.node_id not in [n["RayNodeID"] for n in adag.nodes()]  # never joined
     started = time.monotonic()
     ns = adag.add_ray_nodes(timeout=60)
     print(f"adag.add_ray_nodes() took {time.monotonic() - started:.2f} s for 1 agent")
@@ -288,12 +288,17 @@ def test_a_ray_node_added_later_joins_and_its_removal_fails_the_graph(cluster):
     assert took < 15, f"the lost host was reported {took:.1f} s after the node went"
     print(f"ActorDiedError {took * 1000:.0f} ms after the Ray node was removed: {msg}")
     compiled.teardown()
-    assert node.node_id not in [n["RayNodeID"] for n in adag.nodes()]
+    # Listed as Ray lists a dead node: not alive, with why.
+    (gone,) = [n for n in adag.nodes() if n["RayNodeID"] == node.node_id]
+    assert not gone["Alive"] and gone["NodeID"] == new["NodeID"], gone
+    assert "closed" in gone["DeathReasonMessage"], gone
     assert wait_gone([new["AgentPid"], worker]), "the agent or its worker outlived the Ray node"
     with pytest.raises(adag.PlacementError, match="lost"):
         W.options(scheduling_strategy=RayNodeAffinity(node.node_id, soft=False)).remote()
     # The node is gone from Ray too: nothing to add back.
-    assert node.node_id not in [n["RayNodeID"] for n in adag.add_ray_nodes(timeout=60)]
+    assert node.node_id not in [
+        n["RayNodeID"] for n in adag.add_ray_nodes(timeout=60) if n["Alive"]
+    ]
 
 
 DRIVER = textwrap.dedent(
@@ -307,7 +312,7 @@ DRIVER = textwrap.dedent(
     ray.init(address={address!r}, log_to_driver=False)
     adag.init(ray_address="auto")  # takes the connection of ray.init() above
     W = adag.remote(Where)
-    far = [n for n in adag.nodes() if not n["IsDriver"]]
+    far = [n for n in adag.nodes() if not n["IsDriver"] and n["Alive"]]
     actors = [W.options(host=n["NodeID"]).remote(1) for n in far]
     pids = [n["AgentPid"] for n in far] + [a.where.remote().get()[1] for a in actors]
     print(adag.cluster._token, " ".join(map(str, pids)), flush=True)
@@ -430,7 +435,7 @@ def test_shutdown_leaves_no_agent_worker_or_shared_memory(cluster):
     """Last: adag.shutdown() kills every agent's Ray actor; nothing of adag is left."""
     shm_before = set(os.listdir("/dev/shm"))
     token = adag.cluster._token
-    far = [n for n in adag.nodes() if not n["IsDriver"]]
+    far = [n for n in adag.nodes() if not n["IsDriver"] and n["Alive"]]
     actors = [W.options(host=n["NodeID"]).remote(1) for n in far]
     with InputNode() as inp:
         node = inp
@@ -442,7 +447,7 @@ def test_shutdown_leaves_no_agent_worker_or_shared_memory(cluster):
     assert set(pids) <= set(_processes_with(f"ADAG_TOKEN={token}".encode()))
     adag.shutdown()
     assert not ray.is_initialized()  # adag.init connected to Ray, so shutdown disconnects
-    assert [n for n in adag.nodes() if not n["IsDriver"]] == []
+    assert [n for n in adag.nodes() if not n["IsDriver"] and n["Alive"]] == []
     assert wait_gone(pids), "an agent or a worker outlived adag.shutdown()"
     assert _processes_with(f"ADAG_TOKEN={token}".encode()) == []
     assert set(os.listdir("/dev/shm")) <= shm_before

@@ -153,7 +153,7 @@ impl GraphChannels {
                     format!("host {} (its readers' host) is not connected", chan.host),
                 )
             })?;
-            let stream = data.connect(*addr, plan.graph, chan.id).map_err(|e| {
+            let stream = data.connect(*addr, plan.graph, chan.id, deadline).map_err(|e| {
                 Error::io(
                     format!(
                         "connecting the network channel of {} from host {host} to host {} at {addr}",

@@ -10,6 +10,15 @@
 //! Tracing events go over a datagram socket written without blocking: an event that does not
 //! fit the socket's buffer is dropped and counted in the worker. The worker is told the
 //! driver's maximum level, so that events the driver would drop are never sent.
+//!
+//! Workers on other hosts: their agent forwards the same way, but its writer thread sends the
+//! lines (prefixed `(Actor pid=1234, host=node-3) `) and its event threads send the events to
+//! the driver over the agent's connection ([`LogReporter`]), where they join the driver's own
+//! queue and events ([`RemoteLogs`]). The same rule holds: a slow network or driver fills the
+//! agent's queue and lines are dropped and counted there; the driver drops, counts and says so
+//! when its own output is slow; no actor ever waits.
+use crate::cluster::agent::LogReporter;
+use crate::cluster::driver::LogSink;
 use crossbeam_channel::{Sender, TrySendError};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
@@ -41,10 +50,27 @@ pub(crate) struct EventRecord {
     pub spans: String,
 }
 
-/// The level the driver's subscriber lets through, to tell each worker.
-pub(crate) fn driver_level() -> String {
-    LevelFilter::current().to_string()
+/// In an agent: where its workers' lines and events go (the driver, over the agent's
+/// connection). Unset in a driver.
+static TO_DRIVER: std::sync::OnceLock<LogReporter> = std::sync::OnceLock::new();
+
+/// In an agent: send every worker's output and events to the driver through `reporter`.
+pub(crate) fn send_to_driver(reporter: LogReporter) {
+    let _ = TO_DRIVER.set(reporter);
 }
+
+/// The level the driver's subscriber lets through, to tell each worker (in an agent: the
+/// level the driver told it).
+pub(crate) fn driver_level() -> String {
+    match TO_DRIVER.get() {
+        Some(r) => r.level.clone(),
+        None => LevelFilter::current().to_string(),
+    }
+}
+
+/// Lines sent to the driver in one message, at most (and bytes, about).
+const BATCH_LINES: usize = 512;
+const BATCH_BYTES: usize = 256 * 1024;
 
 #[derive(Clone, Copy)]
 enum Stream {
@@ -82,10 +108,27 @@ fn register_lines() -> Sender<Line> {
         .spawn(move || {
             // Ends when every sender is gone, after the lines still queued.
             while let Ok((stream, line)) = rx.recv() {
-                let _ = match stream {
-                    Stream::Stdout => std::io::stdout().lock().write_all(line.as_bytes()),
-                    Stream::Stderr => std::io::stderr().lock().write_all(line.as_bytes()),
+                let Some(driver) = TO_DRIVER.get() else {
+                    let _ = match stream {
+                        Stream::Stdout => std::io::stdout().lock().write_all(line.as_bytes()),
+                        Stream::Stderr => std::io::stderr().lock().write_all(line.as_bytes()),
+                    };
+                    continue;
                 };
+                // In an agent: what is queued now, in one message (a network write may wait
+                // for the driver; meanwhile the queue takes the lines, or drops and counts).
+                let mut bytes = line.len();
+                let mut batch = vec![(matches!(stream, Stream::Stderr), line)];
+                while batch.len() < BATCH_LINES && bytes < BATCH_BYTES {
+                    match rx.try_recv() {
+                        Ok((stream, line)) => {
+                            bytes += line.len();
+                            batch.push((matches!(stream, Stream::Stderr), line));
+                        }
+                        Err(_) => break,
+                    }
+                }
+                driver.lines(batch);
             }
         });
     if let Err(e) = started {
@@ -132,7 +175,10 @@ pub(crate) fn forward(
     }
     set_nonblocking(&events)?;
     let lines = Lines {
-        prefix: format!("({name} pid={pid}) "),
+        prefix: match TO_DRIVER.get() {
+            Some(r) => format!("({name} pid={pid}, host={}) ", r.host_name),
+            None => format!("({name} pid={pid}) "),
+        },
         queue: register_lines(),
         dropped: dropped.clone(),
         unsaid: 0,
@@ -308,11 +354,16 @@ fn pump_events(actor: &str, pid: u32, sock: &OwnedFd, stop: &OwnedFd) {
         // Everything the socket holds now, then (if the worker is gone) stop.
         loop {
             match rustix::net::recv(sock, &mut buf, rustix::net::RecvFlags::DONTWAIT) {
-                Ok((n, _)) if n > 0 => {
-                    if let Ok(rec) = postcard::from_bytes::<EventRecord>(&buf[..n]) {
-                        emit(actor, pid, &rec);
+                Ok((n, _)) if n > 0 => match TO_DRIVER.get() {
+                    Some(driver) => {
+                        driver.event(actor, pid, buf[..n].to_vec());
                     }
-                }
+                    None => {
+                        if let Ok(rec) = postcard::from_bytes::<EventRecord>(&buf[..n]) {
+                            emit(actor, pid, None, &rec);
+                        }
+                    }
+                },
                 Err(rustix::io::Errno::INTR) => {}
                 _ => break,
             }
@@ -325,20 +376,34 @@ fn pump_events(actor: &str, pid: u32, sock: &OwnedFd, stop: &OwnedFd) {
 
 /// Emit a worker's event in the driver. `tracing` needs the level at compile time: one arm
 /// per level.
-fn emit(actor: &str, pid: u32, rec: &EventRecord) {
+fn emit(actor: &str, pid: u32, host: Option<&str>, rec: &EventRecord) {
     macro_rules! at {
         ($level:expr) => {
-            tracing::event!(
-                target: "adag::worker",
-                $level,
-                actor,
-                pid,
-                origin = %rec.target,
-                spans = %rec.spans,
-                "{}{}",
-                rec.message,
-                rec.fields
-            )
+            match host {
+                None => tracing::event!(
+                    target: "adag::worker",
+                    $level,
+                    actor,
+                    pid,
+                    origin = %rec.target,
+                    spans = %rec.spans,
+                    "{}{}",
+                    rec.message,
+                    rec.fields
+                ),
+                Some(host) => tracing::event!(
+                    target: "adag::worker",
+                    $level,
+                    actor,
+                    pid,
+                    host,
+                    origin = %rec.target,
+                    spans = %rec.spans,
+                    "{}{}",
+                    rec.message,
+                    rec.fields
+                ),
+            }
         };
     }
     match rec.level {
@@ -347,6 +412,62 @@ fn emit(actor: &str, pid: u32, rec: &EventRecord) {
         2 => at!(Level::INFO),
         3 => at!(Level::DEBUG),
         _ => at!(Level::TRACE),
+    }
+}
+
+/// In the driver: where the lines and events of workers on other hosts go: the lines into the
+/// same queue as local workers' (never waiting: a full queue drops and counts, and says so
+/// once there is room), the events through the driver's subscriber with the host as a field.
+pub(crate) struct RemoteLogs {
+    queue: Sender<Line>,
+    dropped: AtomicU64,
+}
+
+impl RemoteLogs {
+    pub(crate) fn new() -> Arc<RemoteLogs> {
+        Arc::new(RemoteLogs {
+            queue: register_lines(),
+            dropped: AtomicU64::new(0),
+        })
+    }
+}
+
+impl Drop for RemoteLogs {
+    fn drop(&mut self) {
+        unregister_lines();
+    }
+}
+
+impl LogSink for RemoteLogs {
+    fn lines(&self, host: &str, lines: Vec<(bool, String)>) {
+        let unsaid = self.dropped.load(Ordering::Relaxed);
+        if unsaid > 0
+            && self
+                .queue
+                .try_send((
+                    Stream::Stderr,
+                    format!("(host={host}) [adag: {unsaid} lines of workers on other hosts dropped: the driver's output was too slow]\n"),
+                ))
+                .is_ok()
+        {
+            self.dropped.fetch_sub(unsaid, Ordering::Relaxed);
+        }
+        for (stderr, line) in lines {
+            let stream = if stderr {
+                Stream::Stderr
+            } else {
+                Stream::Stdout
+            };
+            if self.queue.try_send((stream, line)).is_err() {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn event(&self, host: &str, actor: &str, pid: u32, record: &[u8]) {
+        if let Ok(rec) = postcard::from_bytes::<EventRecord>(record) {
+            emit(actor, pid, Some(host), &rec);
+        }
     }
 }
 

@@ -9,13 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-/// Nanoseconds of `CLOCK_MONOTONIC`: one clock for every thread and every process of the
-/// host, so that the slices of a driver and its workers line up on one timeline.
-#[inline]
-pub(crate) fn mono_ns() -> u64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-}
+pub(crate) use crate::clock::mono_ns;
 
 /// Records per actor a timeline keeps (4 words each: 8 MiB per actor); later operations are
 /// counted as dropped, never recorded by allocating.

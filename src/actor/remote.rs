@@ -317,6 +317,7 @@ struct HostGraph {
 
 /// The agent's services (see `cluster::agent`).
 pub(crate) fn agent_services(ctx: AgentContext) -> Box<dyn AgentServices> {
+    super::logs::send_to_driver(ctx.logs.clone());
     Box::new(AgentWorkers {
         workers: Mutex::new(HashMap::new()),
         reporter: ctx.deaths,

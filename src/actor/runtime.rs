@@ -111,10 +111,29 @@ fn short_type_name(full: &str) -> &str {
 }
 
 impl Runtime {
-    /// A runtime for this driver process.
+    /// A runtime for this driver process. When a launcher set
+    /// [`ADAG_LISTEN`](crate::cluster::ENV_LISTEN) (with `ADAG_TOKEN`), the first runtime
+    /// of the process listens there for hosts, as [`listen`](Self::listen) would
+    /// ([`ClusterOptions::from_env`]); later runtimes of the process do not (one process,
+    /// one address).
     pub fn new() -> Result<Self> {
         super::worker::maybe_run_worker();
-        Ok(Runtime::default())
+        let rt = Runtime::default();
+        static LISTEN_FROM_ENV: std::sync::Once = std::sync::Once::new();
+        let mut options = Ok(None);
+        LISTEN_FROM_ENV.call_once(|| options = ClusterOptions::from_env());
+        if let Some(options) = options? {
+            rt.listen(options)?;
+        }
+        Ok(rt)
+    }
+
+    /// A runtime that does not look at `ADAG_LISTEN`: it listens for hosts only when told
+    /// ([`listen`](Self::listen)). For embedders that read their own configuration (the
+    /// Python package's `adag.init`).
+    pub fn without_env() -> Self {
+        super::worker::maybe_run_worker();
+        Runtime::default()
     }
 
     /// Listen for hosts joining this driver (see [`cluster`](crate::cluster)); returns the
@@ -132,12 +151,15 @@ impl Runtime {
             ));
         }
         let driver = ClusterDriver::start(options)?;
+        driver.set_log_sink(super::logs::RemoteLogs::new());
         let addr = driver.addr();
         *cluster = Some(driver);
         Ok(addr)
     }
 
-    /// The hosts that joined and are alive, in joining order (none before [`listen`](Self::listen)).
+    /// Every host that joined, in joining order (none before [`listen`](Self::listen)): a
+    /// host that was lost stays listed with [`HostInfo::lost`] saying when and why (filter
+    /// with [`HostInfo::is_alive`] for the live ones).
     pub fn hosts(&self) -> Vec<HostInfo> {
         self.cluster
             .lock()

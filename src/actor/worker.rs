@@ -159,7 +159,9 @@ fn spawn_child(name: &str, child_sock: OwnedFd) -> std::io::Result<Child> {
             cmd
         }
     };
-    cmd.env(ENV_FD, WORKER_FD.to_string())
+    // A worker is no driver: a launcher's ADAG_LISTEN is not for it.
+    cmd.env_remove(crate::cluster::ENV_LISTEN)
+        .env(ENV_FD, WORKER_FD.to_string())
         .env(ENV_PARENT, std::process::id().to_string())
         .env(ENV_NAME, name)
         .stdin(std::process::Stdio::null())

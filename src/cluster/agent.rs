@@ -5,7 +5,7 @@ use super::data::DataPlane;
 use super::wire::{
     self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
 };
-use super::{ENV_HOST_NAME, ENV_JOIN, ENV_TOKEN};
+use super::{ENV_HOST_NAME, ENV_JOIN, ENV_JOIN_TIMEOUT, ENV_TOKEN};
 use parking_lot::Mutex;
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
@@ -44,6 +44,47 @@ pub(crate) struct AgentContext {
     /// The driver's address as this host reaches it (a data address of the driver that is
     /// unspecified means this one).
     pub driver_ip: IpAddr,
+    /// Carries the output and `tracing` events of this host's workers to the driver.
+    pub logs: LogReporter,
+}
+
+/// Carries what this host's workers write to the driver, over the agent's connection. Its
+/// writes wait at most the heartbeat timeout; callers never call it from an actor's thread
+/// (a queue and a forwarding thread stand between), so a slow driver costs lines, never an
+/// actor's progress.
+#[derive(Clone)]
+pub(crate) struct LogReporter {
+    writer: Arc<Mutex<Option<TcpStream>>>,
+    /// This host's name, as the driver lists it (lines are prefixed with it).
+    pub host_name: String,
+    /// The most verbose `tracing` level the driver lets through.
+    pub level: String,
+}
+
+impl LogReporter {
+    /// Sends lines (`(true, line)`: stderr); false if the driver is gone or the write failed.
+    pub(crate) fn lines(&self, lines: Vec<(bool, String)>) -> bool {
+        match self.writer.lock().as_mut() {
+            Some(s) => wire::write_frame(s, &ToDriver::Logs { lines }).is_ok(),
+            None => false,
+        }
+    }
+
+    /// Sends one encoded `tracing` event of `actor`'s worker.
+    pub(crate) fn event(&self, actor: &str, pid: u32, record: Vec<u8>) -> bool {
+        match self.writer.lock().as_mut() {
+            Some(s) => wire::write_frame(
+                s,
+                &ToDriver::Event {
+                    actor: actor.to_string(),
+                    pid,
+                    record,
+                },
+            )
+            .is_ok(),
+            None => false,
+        }
+    }
 }
 
 /// Tells the driver what happened to the actors of this host (given to the services when they
@@ -100,9 +141,24 @@ fn env_addr(name: &str) -> Result<Option<SocketAddr>, String> {
 pub const EXIT_JOIN_FAILED: i32 = 3;
 
 /// How long an agent keeps trying to reach a driver that is not listening yet (launchers
-/// may start hosts before the driver): 60 attempts, 0.5 s apart.
-const CONNECT_ATTEMPTS: u32 = 60;
+/// may start hosts before the driver), unless `ADAG_JOIN_TIMEOUT` says: 30 s, an attempt
+/// every 0.5 s.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
 const CONNECT_PAUSE: Duration = Duration::from_millis(500);
+
+/// The join window: `ADAG_JOIN_TIMEOUT` seconds, else [`JOIN_TIMEOUT`].
+fn join_timeout() -> Result<Duration, String> {
+    match std::env::var(ENV_JOIN_TIMEOUT) {
+        Err(_) => Ok(JOIN_TIMEOUT),
+        Ok(v) => v
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s >= 0.0 && *s < 1e9)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| format!("{ENV_JOIN_TIMEOUT}={v} is not a number of seconds")),
+    }
+}
 
 /// If this process was started as a host's agent, run it and exit; otherwise return at once.
 pub(crate) fn maybe_run_agent(make: MakeServices) {
@@ -143,23 +199,43 @@ fn host_name() -> String {
 }
 
 fn connect(join: &str) -> Result<TcpStream, String> {
+    let window = join_timeout()?;
+    let until = Instant::now() + window;
     let mut last = String::new();
-    for attempt in 0..CONNECT_ATTEMPTS {
-        if attempt > 0 {
-            std::thread::sleep(CONNECT_PAUSE);
-        }
-        let addrs = join.to_socket_addrs().map_err(|e| {
-            format!("{ENV_JOIN}={join} is not an address (host:port) that resolves: {e}")
-        })?;
-        for addr in addrs {
-            match TcpStream::connect_timeout(&addr, wire::HANDSHAKE_TIMEOUT) {
-                Ok(s) => return Ok(s),
-                Err(e) => last = format!("{addr}: {e}"),
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        // A name that does not resolve yet (a Kubernetes Service before its pod) is retried
+        // like a driver that does not listen yet.
+        match join.to_socket_addrs() {
+            Ok(addrs) => {
+                for addr in addrs {
+                    match TcpStream::connect_timeout(&addr, wire::HANDSHAKE_TIMEOUT) {
+                        Ok(s) => return Ok(s),
+                        Err(e) => last = format!("{addr}: {e}"),
+                    }
+                }
+            }
+            Err(e)
+                if join
+                    .rsplit_once(':')
+                    .is_some_and(|(_, p)| p.parse::<u16>().is_ok()) =>
+            {
+                last = format!("{join} does not resolve: {e}");
+            }
+            Err(e) => {
+                return Err(format!(
+                    "{ENV_JOIN}={join} is not an address (host:port): {e}"
+                ));
             }
         }
+        if Instant::now() + CONNECT_PAUSE > until {
+            break;
+        }
+        std::thread::sleep(CONNECT_PAUSE);
     }
     Err(format!(
-        "cannot reach the driver at {join} after {CONNECT_ATTEMPTS} attempts ({last}); is the driver listening there?"
+        "cannot reach the driver at {join} after {attempts} attempts over {window:?} ({last}); is the driver listening there? ({ENV_JOIN_TIMEOUT} sets how long to keep trying)"
     ))
 }
 
@@ -180,25 +256,28 @@ fn run(join: &str, make: MakeServices) -> Result<(), String> {
         format!("cannot listen for data connections on {bind} ({ENV_DATA_ADDR}): {e}")
     })?;
     let advertised = env_addr(ENV_DATA_ADVERTISE)?.unwrap_or(data.addr());
+    let name = host_name();
     wire::write_frame(
         &mut stream,
         &Hello {
-            name: host_name(),
+            name: name.clone(),
             cores,
             pid: std::process::id(),
             data: advertised,
         },
     )
     .map_err(|e| format!("joining {join}: {e}"))?;
-    let (host, interval, timeout) = match wire::read_frame::<ToAgent>(&mut stream) {
+    let (host, interval, timeout, log_level) = match wire::read_frame::<ToAgent>(&mut stream) {
         Ok(ToAgent::Welcome {
             host,
             interval_ms,
             timeout_ms,
+            log_level,
         }) => (
             host,
             Duration::from_millis(interval_ms.max(1)),
             Duration::from_millis(timeout_ms.max(1)),
+            log_level,
         ),
         Ok(ToAgent::Refused { reason }) => return Err(format!("the driver refused: {reason}")),
         Ok(other) => return Err(format!("the driver answered {other:?} to a join")),
@@ -212,11 +291,17 @@ fn run(join: &str, make: MakeServices) -> Result<(), String> {
         deaths: DeathReporter(writer.clone()),
         data: data.clone(),
         driver_ip,
+        logs: LogReporter {
+            writer: writer.clone(),
+            host_name: name,
+            level: log_level,
+        },
     }));
     serve(stream, &writer, &services, host, interval, timeout);
-    // Leaving: every worker started here goes too, and nothing more is written.
-    services.shutdown();
+    // Leaving: waits for connections end first (an install waiting for one returns at once),
+    // then every worker started here goes too, and nothing more is written.
     data.stop();
+    services.shutdown();
     writer.lock().take();
     Ok(())
 }
@@ -250,7 +335,18 @@ fn serve(
     let started = Instant::now();
     loop {
         match wire::read_frame_within::<ToAgent>(&mut stream, wire::MAX_JOINED_FRAME) {
-            Ok(ToAgent::Heartbeat) => {}
+            Ok(ToAgent::Heartbeat { driver_ns }) => {
+                if let Some(s) = writer.lock().as_mut() {
+                    let agent_ns = crate::clock::mono_ns();
+                    let _ = wire::write_frame(
+                        s,
+                        &ToDriver::Clock {
+                            driver_ns,
+                            agent_ns,
+                        },
+                    );
+                }
+            }
             Ok(ToAgent::Shutdown) => return,
             Ok(ToAgent::Request { req, request }) => {
                 // Each request on a thread of its own: a long call never holds up the

@@ -13,25 +13,47 @@
 //! reader → writer   HMAC-SHA256(secret, "adag-data reader" | nonce_r | nonce_w | graph | channel)
 //! ```
 //!
-//! A connection that does not finish this within [`HANDSHAKE_TIMEOUT`], or whose proof is
-//! wrong, is closed and forgotten; each is checked on a thread of its own (at most
-//! [`MAX_HANDSHAKES`] at once), so a slow or hostile peer holds up nobody.
-use super::wire::{HANDSHAKE_TIMEOUT, HmacSha256, NONCE, PROOF, fresh_nonce, keyed_proof};
+//! # Strangers cannot jam the port
+//!
+//! Connections still proving themselves cost a file descriptor and a few bytes, not a thread:
+//! one thread per port reads every pending handshake as its bytes arrive (`poll`). A
+//! connection that has not proved itself within [`PRE_AUTH_DEADLINE`] is dropped, and when
+//! too many are pending (in all, or from one address), the oldest one of the address holding
+//! the most makes room. A stranger can therefore never hold a place: a peer that knows the
+//! secret proves itself within a round trip, long before a flood could push it out, and the
+//! driver's and the other hosts' connections are never the ones dropped while a single
+//! address floods the port. The writing side retries a refused or cut handshake until the
+//! install's deadline.
+use super::wire::{HmacSha256, NONCE, PROOF, fresh_nonce, keyed_proof};
 use hmac::Mac;
 use parking_lot::{Condvar, Mutex};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// The first bytes a data port sends.
 pub(crate) const DATA_MAGIC: &[u8; 8] = b"adagdata";
-/// Handshakes checked at once; connections beyond are closed at once.
-pub(crate) const MAX_HANDSHAKES: usize = 64;
+/// How long a connection has, from its accept, to prove it knows the secret: a peer that
+/// does answers within a round trip or two, even across continents.
+pub(crate) const PRE_AUTH_DEADLINE: Duration = Duration::from_secs(2);
+/// Connections still proving themselves, in all and from one address; past either bound the
+/// oldest of the address holding the most is dropped.
+const MAX_PENDING: usize = 512;
+const MAX_PENDING_PER_ADDRESS: usize = 64;
 /// A connection nobody claimed within this long (its graph failed to install) is dropped.
 const UNCLAIMED_FOR: Duration = Duration::from_secs(120);
+/// Graphs whose install was abandoned, remembered so that a host still waiting for one of
+/// their connections stops at once; the oldest are forgotten past this many.
+const ABANDONED_KEPT: usize = 1024;
+/// The bytes the writing side sends: graph, channel, its nonce and its proof.
+const CLAIM: usize = 16 + NONCE + PROOF;
+/// How often the port looks at its stop flag and its deadlines while nothing arrives.
+const TICK: Duration = Duration::from_millis(200);
+/// How often a count of dropped strangers is logged, at most.
+const REPORT_EVERY: Duration = Duration::from_secs(10);
 
 /// The proof of one side of a data connection: the join's keyed proof, in its own domain, over
 /// the role, both nonces, the graph and the channel.
@@ -60,33 +82,38 @@ fn nonce() -> io::Result<[u8; NONCE]> {
     fresh_nonce().map_err(|e| io::Error::other(format!("no random numbers: {e}")))
 }
 
+#[derive(Default)]
+struct Filed {
+    arrived: HashMap<(u64, u64), (TcpStream, Instant)>,
+    abandoned: VecDeque<u64>,
+}
+
 /// A host's data port and the connections that arrived on it.
 pub(crate) struct DataPlane {
     addr: SocketAddr,
     secret: Vec<u8>,
-    arrived: Mutex<HashMap<(u64, u64), (TcpStream, Instant)>>,
+    filed: Mutex<Filed>,
     changed: Condvar,
     stop: AtomicBool,
-    handshakes: AtomicUsize,
 }
 
 impl DataPlane {
     /// Listens on `bind` (port 0: any free port) for the connections of network channels.
     pub(crate) fn start(bind: SocketAddr, secret: &[u8]) -> io::Result<Arc<DataPlane>> {
         let listener = TcpListener::bind(bind)?;
+        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let plane = Arc::new(DataPlane {
             addr,
             secret: secret.to_vec(),
-            arrived: Mutex::new(HashMap::new()),
+            filed: Mutex::new(Filed::default()),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
-            handshakes: AtomicUsize::new(0),
         });
         let weak = Arc::downgrade(&plane);
         std::thread::Builder::new()
             .name("adag-data-accept".into())
-            .spawn(move || accept_loop(listener, weak))?;
+            .spawn(move || Gate::new(listener).run(&weak))?;
         Ok(plane)
     }
 
@@ -95,78 +122,78 @@ impl DataPlane {
         self.addr
     }
 
-    /// Stops accepting (the accept thread leaves within its poll interval).
+    /// Stops accepting (the accept thread leaves within [`TICK`]) and wakes every `take`.
     pub(crate) fn stop(&self) {
         self.stop.store(true, Ordering::Release);
+        let _filed = self.filed.lock();
         self.changed.notify_all();
     }
 
-    /// The connection of channel `chan` of graph `graph`, waiting until `deadline` for it.
+    /// The connection of channel `chan` of graph `graph`, waiting until `deadline` for it
+    /// (or until the graph is abandoned, or the port stops).
     pub(crate) fn take(
         &self,
         graph: u64,
         chan: u64,
         deadline: Instant,
     ) -> Result<TcpStream, String> {
-        let mut arrived = self.arrived.lock();
+        let mut filed = self.filed.lock();
         loop {
-            if let Some((stream, _)) = arrived.remove(&(graph, chan)) {
+            if let Some((stream, _)) = filed.arrived.remove(&(graph, chan)) {
                 return Ok(stream);
             }
             if self.stop.load(Ordering::Acquire) {
                 return Err("the data port was closed".into());
             }
-            if self.changed.wait_until(&mut arrived, deadline).timed_out() {
-                return arrived.remove(&(graph, chan)).map(|(s, _)| s).ok_or_else(|| {
+            if filed.abandoned.contains(&graph) {
+                return Err("the graph was abandoned (its compile failed elsewhere, or it was torn down) before its writer's host connected".into());
+            }
+            if self.changed.wait_until(&mut filed, deadline).timed_out() {
+                return filed.arrived.remove(&(graph, chan)).map(|(s, _)| s).ok_or_else(|| {
                     "its writer's host did not connect in time (is that host reachable on its data port, and does it run the same binary?)".into()
                 });
             }
         }
     }
 
-    /// Drops every connection of `graph` that nobody took (its install failed).
+    /// Drops every connection of `graph` that nobody took, and stops every wait for one: the
+    /// graph is closed, or its install failed.
     pub(crate) fn forget_graph(&self, graph: u64) {
-        self.arrived.lock().retain(|(g, _), _| *g != graph);
-    }
-
-    fn file(&self, graph: u64, chan: u64, stream: TcpStream) {
-        let mut arrived = self.arrived.lock();
-        arrived.retain(|_, (_, at)| at.elapsed() < UNCLAIMED_FOR);
-        arrived.insert((graph, chan), (stream, Instant::now()));
-        drop(arrived);
+        let mut filed = self.filed.lock();
+        filed.arrived.retain(|(g, _), _| *g != graph);
+        if filed.abandoned.len() >= ABANDONED_KEPT {
+            filed.abandoned.pop_front();
+        }
+        filed.abandoned.push_back(graph);
+        drop(filed);
         self.changed.notify_all();
     }
 
-    /// The reading side of the handshake; the connection's graph and channel.
-    fn admit(&self, stream: &mut TcpStream) -> io::Result<(u64, u64)> {
-        stream.set_nonblocking(false)?;
-        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        let nonce_r = nonce()?;
-        let mut hello = Vec::with_capacity(DATA_MAGIC.len() + NONCE);
-        hello.extend_from_slice(DATA_MAGIC);
-        hello.extend_from_slice(&nonce_r);
-        stream.write_all(&hello)?;
-        let mut claim = [0u8; 16 + NONCE + PROOF];
-        stream.read_exact(&mut claim)?;
-        let graph = u64::from_le_bytes(claim[..8].try_into().expect("8 bytes"));
-        let chan = u64::from_le_bytes(claim[8..16].try_into().expect("8 bytes"));
-        let nonce_w = &claim[16..16 + NONCE];
-        proof(&self.secret, b"writer", &nonce_r, nonce_w, graph, chan)
-            .verify_slice(&claim[16 + NONCE..])
-            .map_err(|_| {
-                io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    "the connecting side did not prove it knows the cluster's secret",
-                )
-            })?;
-        let mine = proof(&self.secret, b"reader", &nonce_r, nonce_w, graph, chan)
-            .finalize()
-            .into_bytes();
-        stream.write_all(&mine)?;
-        stream.set_read_timeout(None)?;
-        stream.set_write_timeout(None)?;
-        Ok((graph, chan))
+    fn file(&self, graph: u64, chan: u64, stream: TcpStream) {
+        let mut filed = self.filed.lock();
+        if filed.abandoned.contains(&graph) {
+            return;
+        }
+        filed
+            .arrived
+            .retain(|_, (_, at)| at.elapsed() < UNCLAIMED_FOR);
+        filed
+            .arrived
+            .insert((graph, chan), (stream, Instant::now()));
+        drop(filed);
+        self.changed.notify_all();
+    }
+
+    /// The writing side of channel `chan` of `graph`: connects to the data port at `addr`,
+    /// retrying until `deadline`.
+    pub(crate) fn connect(
+        &self,
+        addr: SocketAddr,
+        graph: u64,
+        chan: u64,
+        deadline: Instant,
+    ) -> io::Result<TcpStream> {
+        connect(addr, &self.secret, graph, chan, deadline)
     }
 }
 
@@ -176,34 +203,82 @@ impl Drop for DataPlane {
     }
 }
 
-impl DataPlane {
-    /// The writing side of channel `chan` of `graph`: connects to the data port at `addr`.
-    pub(crate) fn connect(&self, addr: SocketAddr, graph: u64, chan: u64) -> io::Result<TcpStream> {
-        connect(addr, &self.secret, graph, chan)
-    }
-}
-
-/// The writing side: connects to the data port at `addr` for channel `chan` of `graph`.
+/// The writing side: connects to the data port at `addr` for channel `chan` of `graph`. A
+/// connection refused, cut or timed out (the reading host not listening yet, its port busy
+/// dropping strangers) is tried again, with growing pauses, until `deadline`; a port that
+/// fails to prove it knows the secret, or is not an adag data port, is not.
 pub(crate) fn connect(
     addr: SocketAddr,
     secret: &[u8],
     graph: u64,
     chan: u64,
+    deadline: Instant,
 ) -> io::Result<TcpStream> {
-    let mut stream = TcpStream::connect_timeout(&addr, HANDSHAKE_TIMEOUT)?;
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(2);
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let err = match connect_once(addr, secret, graph, chan, deadline) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => e,
+        };
+        let final_kind = matches!(
+            err.kind(),
+            io::ErrorKind::PermissionDenied | io::ErrorKind::InvalidData
+        );
+        if final_kind || Instant::now() + pause >= deadline {
+            return Err(io::Error::new(
+                err.kind(),
+                format!(
+                    "{err} (attempt {attempts}, after {:.1?})",
+                    started.elapsed()
+                ),
+            ));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(250));
+    }
+}
+
+/// One attempt of [`connect`]; each error says which step of the handshake failed.
+fn connect_once(
+    addr: SocketAddr,
+    secret: &[u8],
+    graph: u64,
+    chan: u64,
+    deadline: Instant,
+) -> io::Result<TcpStream> {
+    let within = deadline
+        .saturating_duration_since(Instant::now())
+        .clamp(Duration::from_millis(1), PRE_AUTH_DEADLINE);
+    let step = |what: &'static str| {
+        move |e: io::Error| {
+            let why = if e.kind() == io::ErrorKind::UnexpectedEof {
+                "the port closed the connection (it drops connections that do not prove themselves in time, and the oldest when a flood of them arrives)".to_string()
+            } else {
+                e.to_string()
+            };
+            io::Error::new(e.kind(), format!("{what}: {why}"))
+        }
+    };
+    let mut stream = TcpStream::connect_timeout(&addr, within).map_err(step("connecting"))?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(within))?;
+    stream.set_write_timeout(Some(within))?;
     let mut hello = [0u8; 8 + NONCE];
-    stream.read_exact(&mut hello)?;
+    stream
+        .read_exact(&mut hello)
+        .map_err(step("waiting for the port's greeting"))?;
     if &hello[..8] != DATA_MAGIC {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("{addr} is not an adag data port"),
+            format!("{addr} is not an adag data port (its first bytes are not adag's)"),
         ));
     }
     let nonce_r = &hello[8..];
     let nonce_w = nonce()?;
-    let mut claim = Vec::with_capacity(16 + NONCE + PROOF);
+    let mut claim = Vec::with_capacity(CLAIM);
     claim.extend_from_slice(&graph.to_le_bytes());
     claim.extend_from_slice(&chan.to_le_bytes());
     claim.extend_from_slice(&nonce_w);
@@ -212,15 +287,19 @@ pub(crate) fn connect(
             .finalize()
             .into_bytes(),
     );
-    stream.write_all(&claim)?;
+    stream
+        .write_all(&claim)
+        .map_err(step("sending this side's proof"))?;
     let mut theirs = [0u8; PROOF];
-    stream.read_exact(&mut theirs)?;
+    stream
+        .read_exact(&mut theirs)
+        .map_err(step("waiting for the port's proof"))?;
     proof(secret, b"reader", nonce_r, &nonce_w, graph, chan)
         .verify_slice(&theirs)
         .map_err(|_| {
             io::Error::new(
                 io::ErrorKind::PermissionDenied,
-                format!("the data port at {addr} did not prove it knows the cluster's secret"),
+                format!("the data port at {addr} did not prove it knows the cluster's secret (another cluster's port?)"),
             )
         })?;
     stream.set_read_timeout(None)?;
@@ -228,44 +307,271 @@ pub(crate) fn connect(
     Ok(stream)
 }
 
-fn accept_loop(listener: TcpListener, plane: std::sync::Weak<DataPlane>) {
-    use rustix::event::{PollFd, PollFlags, Timespec};
-    let tick = Timespec {
-        tv_sec: 0,
-        tv_nsec: 200_000_000,
-    };
-    loop {
-        {
+/// A connection still proving itself.
+struct Pending {
+    stream: TcpStream,
+    peer: SocketAddr,
+    since: Instant,
+    nonce_r: [u8; NONCE],
+    claim: [u8; CLAIM],
+    got: usize,
+}
+
+/// What became of a pending connection after its bytes were read.
+enum Step {
+    Waiting,
+    Proved(u64, u64),
+    Refused(String),
+    WrongProof,
+}
+
+/// The port's one thread: accepts, reads every pending handshake as its bytes come, files
+/// the connections that prove themselves and drops the others.
+struct Gate {
+    listener: TcpListener,
+    pending: Vec<Pending>,
+    dropped: usize,
+    last_dropped: Option<SocketAddr>,
+    reported: Instant,
+}
+
+impl Gate {
+    fn new(listener: TcpListener) -> Gate {
+        Gate {
+            listener,
+            pending: Vec::new(),
+            dropped: 0,
+            last_dropped: None,
+            reported: Instant::now(),
+        }
+    }
+
+    fn run(mut self, plane: &std::sync::Weak<DataPlane>) {
+        use rustix::event::{PollFd, PollFlags, Timespec};
+        loop {
             let Some(p) = plane.upgrade() else { return };
             if p.stop.load(Ordering::Acquire) {
                 return;
             }
-        }
-        let mut fds = [PollFd::new(&listener, PollFlags::IN)];
-        if !matches!(rustix::event::poll(&mut fds, Some(&tick)), Ok(n) if n > 0) {
-            continue;
-        }
-        let Ok((mut stream, peer)) = listener.accept() else {
-            continue;
-        };
-        let Some(p) = plane.upgrade() else { return };
-        if p.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
-            p.handshakes.fetch_sub(1, Ordering::AcqRel);
-            tracing::warn!(%peer, "too many data connections at once; one refused");
-            continue;
-        }
-        let spawned = std::thread::Builder::new()
-            .name("adag-data-admit".into())
-            .spawn(move || {
-                match p.admit(&mut stream) {
-                    Ok((graph, chan)) => p.file(graph, chan, stream),
-                    Err(e) => tracing::warn!(%peer, error = %e, "data connection refused"),
+            let now = Instant::now();
+            let wait = self
+                .pending
+                .iter()
+                .map(|c| (c.since + PRE_AUTH_DEADLINE).saturating_duration_since(now))
+                .fold(TICK, Duration::min)
+                .max(Duration::from_millis(1));
+            let ready: Vec<bool> = {
+                let mut fds = Vec::with_capacity(1 + self.pending.len());
+                fds.push(PollFd::new(&self.listener, PollFlags::IN));
+                fds.extend(
+                    self.pending
+                        .iter()
+                        .map(|c| PollFd::new(&c.stream, PollFlags::IN)),
+                );
+                let timeout = Timespec {
+                    tv_sec: wait.as_secs() as i64,
+                    tv_nsec: i64::from(wait.subsec_nanos()),
+                };
+                match rustix::event::poll(&mut fds, Some(&timeout)) {
+                    Ok(n) if n > 0 => fds.iter().map(|f| !f.revents().is_empty()).collect(),
+                    _ => Vec::new(),
                 }
-                p.handshakes.fetch_sub(1, Ordering::AcqRel);
-            });
-        if spawned.is_err() {
-            tracing::warn!(%peer, "no thread to check a data connection; refused");
+            };
+            if !ready.is_empty() {
+                // Reads first (they only shrink the list), then accepts (they grow it).
+                for i in (0..self.pending.len()).rev() {
+                    if ready[i + 1] {
+                        self.advance(i, &p);
+                    }
+                }
+                if ready[0] {
+                    self.accept_all(&p);
+                }
+            }
+            self.expire();
+            self.report();
         }
+    }
+
+    fn accept_all(&mut self, plane: &DataPlane) {
+        loop {
+            let (stream, peer) = match self.listener.accept() {
+                Ok(c) => c,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    // Out of descriptors, a connection reset before it was accepted: the
+                    // next round tries again.
+                    tracing::debug!(error = %e, "accepting a data connection failed");
+                    return;
+                }
+            };
+            match Self::greet(stream, peer) {
+                Ok(c) => {
+                    self.make_room(peer.ip());
+                    self.pending.push(c);
+                }
+                Err(e) => tracing::debug!(%peer, error = %e, "greeting a data connection failed"),
+            }
+            if plane.stop.load(Ordering::Acquire) {
+                return;
+            }
+        }
+    }
+
+    /// Sends the port's greeting: the magic and a fresh nonce (a new socket's buffer always
+    /// has room for them).
+    fn greet(stream: TcpStream, peer: SocketAddr) -> io::Result<Pending> {
+        stream.set_nonblocking(true)?;
+        stream.set_nodelay(true)?;
+        let nonce_r = nonce()?;
+        let mut hello = [0u8; 8 + NONCE];
+        hello[..8].copy_from_slice(DATA_MAGIC);
+        hello[8..].copy_from_slice(&nonce_r);
+        if (&stream).write(&hello)? != hello.len() {
+            return Err(io::Error::other("the greeting did not fit the new socket"));
+        }
+        Ok(Pending {
+            stream,
+            peer,
+            since: Instant::now(),
+            nonce_r,
+            claim: [0; CLAIM],
+            got: 0,
+        })
+    }
+
+    /// Drops the oldest pending connection of `incoming`'s address when that address is at
+    /// its bound, else of the address holding the most when all are.
+    fn make_room(&mut self, incoming: IpAddr) {
+        let mut per_address: HashMap<IpAddr, usize> = HashMap::new();
+        for c in &self.pending {
+            *per_address.entry(c.peer.ip()).or_default() += 1;
+        }
+        let victim = if per_address.get(&incoming).copied().unwrap_or(0) >= MAX_PENDING_PER_ADDRESS
+        {
+            Some(incoming)
+        } else if self.pending.len() >= MAX_PENDING {
+            per_address
+                .into_iter()
+                .max_by_key(|(_, n)| *n)
+                .map(|(ip, _)| ip)
+        } else {
+            None
+        };
+        if let Some(ip) = victim
+            && let Some(oldest) = self.pending.iter().position(|c| c.peer.ip() == ip)
+        {
+            let c = self.pending.remove(oldest);
+            self.note_dropped(c.peer);
+        }
+    }
+
+    fn advance(&mut self, i: usize, plane: &DataPlane) {
+        match Self::read_claim(&mut self.pending[i], &plane.secret) {
+            Step::Waiting => {}
+            Step::Proved(graph, chan) => {
+                let c = self.pending.swap_remove(i);
+                match Self::finish(&c, &plane.secret, graph, chan) {
+                    Ok(()) => plane.file(graph, chan, c.stream),
+                    Err(e) => {
+                        tracing::warn!(peer = %c.peer, error = %e, "data connection lost while answering its proof")
+                    }
+                }
+            }
+            Step::Refused(why) => {
+                let c = self.pending.swap_remove(i);
+                tracing::warn!(peer = %c.peer, reason = %why, "data connection refused");
+            }
+            Step::WrongProof => {
+                let c = self.pending.swap_remove(i);
+                // An answer no proof can equal: the writer learns the port is not its
+                // cluster's (and does not retry), rather than seeing the connection cut.
+                let _ = (&c.stream).write(&[0u8; PROOF]);
+                tracing::warn!(
+                    peer = %c.peer,
+                    reason = "it did not prove it knows the cluster's secret (a different ADAG_TOKEN?)",
+                    "data connection refused"
+                );
+            }
+        }
+    }
+
+    fn read_claim(c: &mut Pending, secret: &[u8]) -> Step {
+        loop {
+            match (&c.stream).read(&mut c.claim[c.got..]) {
+                Ok(0) => {
+                    return Step::Refused(format!(
+                        "it closed the connection after {} of the handshake's {CLAIM} bytes",
+                        c.got
+                    ));
+                }
+                Ok(n) => {
+                    c.got += n;
+                    if c.got == CLAIM {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Step::Waiting,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Step::Refused(format!("reading its handshake failed: {e}")),
+            }
+        }
+        let graph = u64::from_le_bytes(c.claim[..8].try_into().expect("8 bytes"));
+        let chan = u64::from_le_bytes(c.claim[8..16].try_into().expect("8 bytes"));
+        let nonce_w = &c.claim[16..16 + NONCE];
+        match proof(secret, b"writer", &c.nonce_r, nonce_w, graph, chan)
+            .verify_slice(&c.claim[16 + NONCE..])
+        {
+            Ok(()) => Step::Proved(graph, chan),
+            Err(_) => Step::WrongProof,
+        }
+    }
+
+    /// Answers a proved connection with the port's own proof and hands it over blocking.
+    fn finish(c: &Pending, secret: &[u8], graph: u64, chan: u64) -> io::Result<()> {
+        let nonce_w = &c.claim[16..16 + NONCE];
+        let mine = proof(secret, b"reader", &c.nonce_r, nonce_w, graph, chan)
+            .finalize()
+            .into_bytes();
+        c.stream.set_nonblocking(false)?;
+        c.stream.set_write_timeout(Some(PRE_AUTH_DEADLINE))?;
+        (&c.stream).write_all(&mine)?;
+        c.stream.set_write_timeout(None)
+    }
+
+    fn expire(&mut self) {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.pending.len() {
+            if now.duration_since(self.pending[i].since) >= PRE_AUTH_DEADLINE {
+                let c = self.pending.swap_remove(i);
+                self.note_dropped(c.peer);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn note_dropped(&mut self, peer: SocketAddr) {
+        self.dropped += 1;
+        self.last_dropped = Some(peer);
+    }
+
+    /// Logs, at most once per [`REPORT_EVERY`], how many connections were dropped unproven
+    /// (one line a flood, not one line a connection).
+    fn report(&mut self) {
+        if self.dropped == 0 || self.reported.elapsed() < REPORT_EVERY {
+            return;
+        }
+        if let Some(peer) = self.last_dropped.take() {
+            tracing::warn!(
+                dropped = self.dropped,
+                last_peer = %peer,
+                "data connections dropped before proving they know the cluster's secret (silent past {PRE_AUTH_DEADLINE:?}, or pushed out by a flood)"
+            );
+        }
+        self.dropped = 0;
+        self.reported = Instant::now();
     }
 }
 
@@ -275,13 +581,15 @@ mod tests {
 
     const SECRET: &[u8] = b"s3cret";
 
+    fn within(secs: u64) -> Instant {
+        Instant::now() + Duration::from_secs(secs)
+    }
+
     #[test]
     fn a_connection_with_the_secret_is_filed_and_taken() {
         let plane = DataPlane::start("127.0.0.1:0".parse().unwrap(), SECRET).unwrap();
-        let mut w = connect(plane.addr(), SECRET, 7, 9).unwrap();
-        let mut r = plane
-            .take(7, 9, Instant::now() + Duration::from_secs(10))
-            .unwrap();
+        let mut w = connect(plane.addr(), SECRET, 7, 9, within(10)).unwrap();
+        let mut r = plane.take(7, 9, within(10)).unwrap();
         w.write_all(b"hello").unwrap();
         let mut got = [0u8; 5];
         r.read_exact(&mut got).unwrap();
@@ -292,30 +600,24 @@ mod tests {
     #[test]
     fn a_wrong_secret_or_a_stranger_is_refused_and_never_filed() {
         let plane = DataPlane::start("127.0.0.1:0".parse().unwrap(), SECRET).unwrap();
-        let err = connect(plane.addr(), b"guess", 1, 2).unwrap_err();
-        assert!(
-            matches!(
-                err.kind(),
-                io::ErrorKind::UnexpectedEof
-                    | io::ErrorKind::ConnectionReset
-                    | io::ErrorKind::PermissionDenied
-            ),
-            "{err:?}"
-        );
+        let err = connect(plane.addr(), b"guess", 1, 2, within(30)).unwrap_err();
+        // Told at once, in words (not "failed to fill whole buffer"), and not retried.
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
+        assert!(err.to_string().contains("did not prove"), "{err}");
+        assert!(err.to_string().contains("attempt 1,"), "{err}");
         let mut stranger = TcpStream::connect(plane.addr()).unwrap();
         let _ = stranger.write_all(&[0xab; 200]);
         let r = plane.take(1, 2, Instant::now() + Duration::from_millis(300));
         assert!(r.is_err());
         // The port still serves the right secret afterwards.
-        connect(plane.addr(), SECRET, 1, 3).unwrap();
-        assert!(
-            plane
-                .take(1, 3, Instant::now() + Duration::from_secs(10))
-                .is_ok()
-        );
-        // A port that does not know the secret gets no connection either.
+        connect(plane.addr(), SECRET, 1, 3, within(10)).unwrap();
+        assert!(plane.take(1, 3, within(10)).is_ok());
+        // A port that does not know the secret gets no connection either, and the writer
+        // does not retry it.
         let impostor = DataPlane::start("127.0.0.1:0".parse().unwrap(), b"other").unwrap();
-        assert!(connect(impostor.addr(), SECRET, 1, 4).is_err());
+        let err = connect(impostor.addr(), SECRET, 1, 4, within(30)).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied, "{err}");
+        assert!(err.to_string().contains("attempt 1,"), "{err}");
         assert!(
             impostor
                 .take(1, 4, Instant::now() + Duration::from_millis(300))
@@ -323,5 +625,116 @@ mod tests {
         );
         plane.stop();
         impostor.stop();
+    }
+
+    /// The measured attack: strangers open connections to the port and say nothing. Each
+    /// writer with the secret still gets through at once, however many strangers hold
+    /// connections (more than the port keeps pending, from the same address).
+    #[test]
+    fn idle_strangers_never_keep_a_writer_with_the_secret_out() {
+        let plane = DataPlane::start("127.0.0.1:0".parse().unwrap(), SECRET).unwrap();
+        let mut strangers = Vec::new();
+        for round in 0..3u64 {
+            for _ in 0..300 {
+                strangers.push(TcpStream::connect(plane.addr()).unwrap());
+            }
+            for chan in 0..4 {
+                let started = Instant::now();
+                let w = connect(plane.addr(), SECRET, round, chan, within(20)).unwrap();
+                let r = plane.take(round, chan, within(20)).unwrap();
+                // Not a timing goal: a writer that had to wait for strangers to time out
+                // (the pre-authentication deadline) would show it.
+                assert!(
+                    started.elapsed() < PRE_AUTH_DEADLINE,
+                    "round {round}: {:?} with {} strangers",
+                    started.elapsed(),
+                    strangers.len()
+                );
+                drop((w, r));
+            }
+        }
+        plane.stop();
+    }
+
+    #[test]
+    fn a_silent_stranger_is_dropped_after_the_pre_authentication_deadline() {
+        let plane = DataPlane::start("127.0.0.1:0".parse().unwrap(), SECRET).unwrap();
+        let mut silent = TcpStream::connect(plane.addr()).unwrap();
+        silent
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut greeting = [0u8; 8 + NONCE];
+        silent.read_exact(&mut greeting).unwrap();
+        assert_eq!(&greeting[..8], DATA_MAGIC);
+        let started = Instant::now();
+        let mut rest = [0u8; 1];
+        let r = silent.read(&mut rest);
+        assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
+        assert!(
+            started.elapsed() < PRE_AUTH_DEADLINE + Duration::from_secs(10),
+            "closed only after {:?}",
+            started.elapsed()
+        );
+        plane.stop();
+    }
+
+    #[test]
+    fn a_wait_for_a_connection_ends_when_its_graph_is_abandoned_or_the_port_stops() {
+        let plane = DataPlane::start("127.0.0.1:0".parse().unwrap(), SECRET).unwrap();
+        let (tx, rx) = crossbeam_channel::bounded(2);
+        for graph in [5, 6] {
+            let (plane, tx) = (plane.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let _ = tx.send((graph, plane.take(graph, 1, within(60))));
+            });
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        plane.forget_graph(5);
+        let (graph, r) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(graph, 5);
+        assert!(r.unwrap_err().contains("abandoned"));
+        // A connection of an abandoned graph that arrives late is not kept.
+        connect(plane.addr(), SECRET, 5, 2, within(10)).unwrap();
+        assert!(
+            plane
+                .take(5, 2, Instant::now() + Duration::from_millis(200))
+                .is_err()
+        );
+        plane.stop();
+        let (graph, r) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(graph, 6);
+        assert!(r.unwrap_err().contains("closed"));
+    }
+
+    #[test]
+    fn a_writer_retries_until_the_port_listens() {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            DataPlane::start(port, SECRET).unwrap()
+        });
+        let w = connect(port, SECRET, 3, 4, within(20)).unwrap();
+        let plane = late.join().unwrap();
+        assert!(plane.take(3, 4, within(10)).is_ok());
+        drop(w);
+        plane.stop();
+        // Nobody listening until the deadline: the error says so, after several attempts.
+        let gone = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let err = connect(
+            gone,
+            SECRET,
+            1,
+            1,
+            Instant::now() + Duration::from_millis(200),
+        )
+        .unwrap_err();
+        assert!(err.to_string().starts_with("connecting:"), "{err}");
+        assert!(!err.to_string().contains("attempt 1,"), "{err}");
     }
 }

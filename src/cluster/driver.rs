@@ -5,7 +5,7 @@ use super::data::DataPlane;
 use super::wire::{
     self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
 };
-use super::{ClusterOptions, HostInfo};
+use super::{ClusterOptions, HostInfo, HostLoss};
 use crate::error::{Error, Result};
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
@@ -21,16 +21,24 @@ pub(crate) type DeathCallback = Box<dyn Fn(&str) + Send + Sync>;
 /// Told that a graph's schedule stopped on a host: (actor, why).
 pub(crate) type FaultCallback = Arc<dyn Fn(&str, &str) + Send + Sync>;
 
+/// Where the output and `tracing` events of workers on other hosts go in the driver (the
+/// runtime's log forwarding): it must never block, since a host's reader thread calls it.
+pub(crate) trait LogSink: Send + Sync {
+    /// Lines of workers of host `host` (`(true, line)`: stderr), each already prefixed.
+    fn lines(&self, host: &str, lines: Vec<(bool, String)>);
+    /// An encoded `tracing` event of `actor`'s worker (process `pid`) on host `host`.
+    fn event(&self, host: &str, actor: &str, pid: u32, record: &[u8]);
+}
+
 struct Host {
     info: HostInfo,
-    /// Where its data port is reached.
-    data: SocketAddr,
     /// The writing side of the connection (heartbeats, requests, shutdown); one writer at a
     /// time, so that frames never interleave.
     stream: Arc<Mutex<TcpStream>>,
-    lost: Option<String>,
     /// Requests waiting for their reply.
     pending: HashMap<u64, Sender<Reply>>,
+    /// Its clock against the driver's, from the heartbeats.
+    clock: super::clock::ClockSync,
     /// The actors started there, told when their worker dies.
     deaths: HashMap<u64, DeathCallback>,
 }
@@ -52,6 +60,7 @@ pub(crate) struct ClusterDriver {
     changed: Condvar,
     stop: AtomicBool,
     next_req: AtomicU64,
+    logs: std::sync::OnceLock<Arc<dyn LogSink>>,
 }
 
 impl ClusterDriver {
@@ -87,6 +96,7 @@ impl ClusterDriver {
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
             next_req: AtomicU64::new(1),
+            logs: std::sync::OnceLock::new(),
         });
         let weak = Arc::downgrade(&driver);
         std::thread::Builder::new()
@@ -138,6 +148,12 @@ impl ClusterDriver {
     }
 
     /// The driver's host's data port.
+    /// Sends the output and events of workers on other hosts to `sink` (set once, right
+    /// after the driver starts).
+    pub(crate) fn set_log_sink(&self, sink: Arc<dyn LogSink>) {
+        let _ = self.logs.set(sink);
+    }
+
     pub(crate) fn data(&self) -> &Arc<DataPlane> {
         &self.data
     }
@@ -151,19 +167,18 @@ impl ClusterDriver {
                 .lock()
                 .hosts
                 .iter()
-                .filter(|h| h.lost.is_none())
-                .map(|h| (h.info.id, h.data)),
+                .filter(|h| h.info.lost.is_none())
+                .map(|h| (h.info.id, h.info.data_address)),
         );
         all
     }
 
-    /// The hosts that joined and are not lost, in joining order.
+    /// Every host that joined, in joining order: the lost ones too, marked with when and why.
     pub(crate) fn hosts(&self) -> Vec<HostInfo> {
         self.state
             .lock()
             .hosts
             .iter()
-            .filter(|h| h.lost.is_none())
             .map(|h| h.info.clone())
             .collect()
     }
@@ -175,14 +190,14 @@ impl ClusterDriver {
             let live: Vec<HostInfo> = state
                 .hosts
                 .iter()
-                .filter(|h| h.lost.is_none())
+                .filter(|h| h.info.lost.is_none())
                 .map(|h| h.info.clone())
                 .collect();
             if live.len() >= n {
                 return Ok(live);
             }
             if self.changed.wait_until(&mut state, deadline).timed_out() {
-                let live = state.hosts.iter().filter(|h| h.lost.is_none()).count();
+                let live = state.hosts.iter().filter(|h| h.info.lost.is_none()).count();
                 return Err(Error::Timeout {
                     what: format!("{n} hosts to join {} ({live} joined)", self.addr),
                     timeout,
@@ -193,6 +208,19 @@ impl ClusterDriver {
                 });
             }
         }
+    }
+
+    /// Host `id`'s name and its clock against the driver's (`None`: no estimate yet).
+    pub(crate) fn clock_of(&self, id: u64) -> (String, Option<super::ClockOffset>) {
+        self.state
+            .lock()
+            .hosts
+            .iter()
+            .find(|h| h.info.id == id)
+            .map_or_else(
+                || (format!("host {id}"), None),
+                |h| (h.info.name.clone(), h.info.clock),
+            )
     }
 
     /// The name of host `id`, as errors show it.
@@ -231,8 +259,8 @@ impl ClusterDriver {
                     "no host {host} joined this driver"
                 )));
             };
-            if let Some(why) = &h.lost {
-                return Err(RemoteFailure::HostLost(lost_text(h, why)));
+            if let Some(l) = &h.info.lost {
+                return Err(RemoteFailure::HostLost(lost_text(h, &l.reason)));
             }
             h.pending.insert(req, tx);
             h.stream.clone()
@@ -285,7 +313,7 @@ impl ClusterDriver {
             .lock()
             .hosts
             .iter()
-            .find(|h| h.info.id == host && h.lost.is_none())
+            .find(|h| h.info.id == host && h.info.lost.is_none())
             .map(|h| h.stream.clone());
         if let Some(stream) = stream {
             let _ = wire::write_frame(&mut *stream.lock(), &ToAgent::Request { req, request });
@@ -296,14 +324,18 @@ impl ClusterDriver {
     pub(crate) fn on_death(&self, host: u64, actor: u64, on_death: DeathCallback) {
         let mut state = self.state.lock();
         match state.hosts.iter_mut().find(|h| h.info.id == host) {
-            Some(h) if h.lost.is_none() => {
+            Some(h) if h.info.lost.is_none() => {
                 h.deaths.insert(actor, on_death);
             }
             Some(h) => {
                 let why = format!(
                     "its host {} was lost: {}",
                     h.info.name,
-                    h.lost.clone().unwrap_or_default()
+                    h.info
+                        .lost
+                        .as_ref()
+                        .map(|l| l.reason.clone())
+                        .unwrap_or_default()
                 );
                 drop(state);
                 on_death(&why);
@@ -323,7 +355,7 @@ impl ClusterDriver {
             .hosts
             .iter()
             .find(|h| h.info.id == host)
-            .and_then(|h| h.lost.as_ref().map(|why| lost_text(h, why)))
+            .and_then(|h| h.info.lost.as_ref().map(|l| lost_text(h, &l.reason)))
     }
 
     fn reply(&self, host: u64, req: u64, result: Reply) {
@@ -354,11 +386,14 @@ impl ClusterDriver {
             .lock()
             .hosts
             .iter()
-            .filter(|h| h.lost.is_none())
+            .filter(|h| h.info.lost.is_none())
             .map(|h| (h.info.id, h.stream.clone()))
             .collect();
         for (id, stream) in streams {
-            if let Err(e) = wire::write_frame(&mut *stream.lock(), &ToAgent::Heartbeat) {
+            let beat = ToAgent::Heartbeat {
+                driver_ns: crate::clock::mono_ns(),
+            };
+            if let Err(e) = wire::write_frame(&mut *stream.lock(), &beat) {
                 lost.push((id, format!("the connection broke: {e}")));
             }
         }
@@ -372,7 +407,7 @@ impl ClusterDriver {
         let mut deaths = Vec::new();
         let mut reason = String::new();
         if let Some(h) = state.hosts.iter_mut().find(|h| h.info.id == id)
-            && h.lost.is_none()
+            && h.info.lost.is_none()
         {
             tracing::warn!(host = id, name = %h.info.name, reason = %why, "host lost");
             let _ = h.stream.lock().shutdown(Shutdown::Both);
@@ -380,7 +415,10 @@ impl ClusterDriver {
             h.pending.clear();
             deaths = h.deaths.drain().map(|(_, cb)| cb).collect();
             reason = lost_text(h, &why);
-            h.lost = Some(why);
+            h.info.lost = Some(HostLoss {
+                at: std::time::SystemTime::now(),
+                reason: why,
+            });
         }
         drop(state);
         self.changed.notify_all();
@@ -406,21 +444,24 @@ impl ClusterDriver {
         stream.set_nodelay(true)?;
         wire::driver_handshake(&mut stream, self.opts.token.as_bytes())?;
         let hello: Hello = wire::read_frame(&mut stream)?;
-        let id = {
+        let (id, host_name) = {
             let mut state = self.state.lock();
             let id = state.next_id;
             state.next_id += 1;
+            let data = if hello.data.ip().is_unspecified() {
+                SocketAddr::new(peer.ip(), hello.data.port())
+            } else {
+                hello.data
+            };
             let info = HostInfo {
                 id,
                 name: hello.name,
                 address: peer,
                 cores: hello.cores,
                 pid: hello.pid,
-            };
-            let data = if hello.data.ip().is_unspecified() {
-                SocketAddr::new(peer.ip(), hello.data.port())
-            } else {
-                hello.data
+                data_address: data,
+                lost: None,
+                clock: None,
             };
             wire::write_frame(
                 &mut stream,
@@ -428,20 +469,28 @@ impl ClusterDriver {
                     host: id,
                     interval_ms: self.opts.heartbeat_interval.as_millis() as u64,
                     timeout_ms: self.opts.heartbeat_timeout.as_millis() as u64,
+                    log_level: tracing::level_filters::LevelFilter::current().to_string(),
                 },
             )?;
             // Writes of heartbeats never block the driver for long on a stuck peer.
             stream.set_write_timeout(Some(self.opts.heartbeat_timeout))?;
+            // A first heartbeat now: the host's clock is estimated before any graph runs there.
+            wire::write_frame(
+                &mut stream,
+                &ToAgent::Heartbeat {
+                    driver_ns: crate::clock::mono_ns(),
+                },
+            )?;
             tracing::info!(host = id, name = %info.name, %peer, cores = info.cores, "host joined");
+            let host_name = info.name.clone();
             state.hosts.push(Host {
                 info,
-                data,
                 stream: Arc::new(Mutex::new(stream.try_clone()?)),
-                lost: None,
                 pending: HashMap::new(),
                 deaths: HashMap::new(),
+                clock: Default::default(),
             });
-            id
+            (id, host_name)
         };
         self.changed.notify_all();
         // Reader: heartbeats keep the host alive; silence past the timeout loses it.
@@ -453,6 +502,19 @@ impl ClusterDriver {
                 let why = loop {
                     match wire::read_frame_within::<ToDriver>(&mut stream, wire::MAX_JOINED_FRAME) {
                         Ok(ToDriver::Heartbeat) => {}
+                        Ok(ToDriver::Clock {
+                            driver_ns,
+                            agent_ns,
+                        }) => {
+                            let now = crate::clock::mono_ns();
+                            if let Some(d) = weak.upgrade()
+                                && let Some(h) =
+                                    d.state.lock().hosts.iter_mut().find(|h| h.info.id == id)
+                            {
+                                h.clock.sample(driver_ns, agent_ns, now);
+                                h.info.clock = h.clock.estimate();
+                            }
+                        }
                         Ok(ToDriver::Reply { req, result }) => {
                             if let Some(d) = weak.upgrade() {
                                 d.reply(id, req, result);
@@ -470,6 +532,16 @@ impl ClusterDriver {
                         }) => {
                             if let Some(d) = weak.upgrade() {
                                 d.fault(id, graph, actor, reason);
+                            }
+                        }
+                        Ok(ToDriver::Logs { lines }) => {
+                            if let Some(sink) = weak.upgrade().and_then(|d| d.logs.get().cloned()) {
+                                sink.lines(&host_name, lines);
+                            }
+                        }
+                        Ok(ToDriver::Event { actor, pid, record }) => {
+                            if let Some(sink) = weak.upgrade().and_then(|d| d.logs.get().cloned()) {
+                                sink.event(&host_name, &actor, pid, &record);
                             }
                         }
                         Err(WireError::Io(e))
@@ -508,7 +580,7 @@ impl Drop for ClusterDriver {
         self.stop.store(true, Ordering::Release);
         self.data.stop();
         let state = self.state.lock();
-        for h in state.hosts.iter().filter(|h| h.lost.is_none()) {
+        for h in state.hosts.iter().filter(|h| h.info.lost.is_none()) {
             let mut stream = h.stream.lock();
             let _ = wire::write_frame(&mut *stream, &ToAgent::Shutdown);
             let _ = stream.shutdown(Shutdown::Both);
@@ -516,7 +588,14 @@ impl Drop for ClusterDriver {
     }
 }
 
+/// Joins checked at once, in all and from one address: past either a new connection is
+/// refused at once (and logged), so that strangers cost the driver no more than this many
+/// threads, each for at most the handshake's timeout.
+const MAX_JOINING: usize = 256;
+const MAX_JOINING_PER_ADDRESS: usize = 32;
+
 fn accept_loop(listener: TcpListener, driver: std::sync::Weak<ClusterDriver>) {
+    let joining: Arc<Mutex<HashMap<std::net::IpAddr, usize>>> = Arc::default();
     loop {
         let Some(d) = driver.upgrade() else { return };
         if d.stop.load(Ordering::Acquire) {
@@ -524,17 +603,45 @@ fn accept_loop(listener: TcpListener, driver: std::sync::Weak<ClusterDriver>) {
         }
         match listener.accept() {
             Ok((stream, peer)) => {
+                {
+                    let mut joining = joining.lock();
+                    let total: usize = joining.values().sum();
+                    let here = joining.entry(peer.ip()).or_default();
+                    if total >= MAX_JOINING || *here >= MAX_JOINING_PER_ADDRESS {
+                        tracing::warn!(
+                            %peer,
+                            reason = "too many joins in progress at once (from this address, or in all)",
+                            "join refused"
+                        );
+                        continue;
+                    }
+                    *here += 1;
+                }
                 // Each join is checked on a thread of its own, so that a slow or hostile
                 // peer never holds up the others (its handshake is bounded in time).
-                let d = d.clone();
-                let _ = std::thread::Builder::new()
+                let (d, counts) = (d.clone(), joining.clone());
+                let spawned = std::thread::Builder::new()
                     .name("adag-cluster-join".into())
                     .spawn(move || {
                         let _ = stream.set_nonblocking(false);
                         if let Err(e) = d.admit(stream, peer) {
-                            tracing::warn!(%peer, error = %e, "join refused");
+                            tracing::warn!(%peer, reason = %e, "join refused");
+                        }
+                        let mut counts = counts.lock();
+                        if let Some(n) = counts.get_mut(&peer.ip()) {
+                            *n -= 1;
+                            if *n == 0 {
+                                counts.remove(&peer.ip());
+                            }
                         }
                     });
+                if spawned.is_err() {
+                    tracing::warn!(%peer, reason = "no thread to check it", "join refused");
+                    let mut joining = joining.lock();
+                    if let Some(n) = joining.get_mut(&peer.ip()) {
+                        *n -= 1;
+                    }
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 drop(d);

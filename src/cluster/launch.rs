@@ -84,6 +84,7 @@ fn spawn(addr: SocketAddr, token: &str, name: &str, vars: Vec<(String, String)>)
     let exe = std::env::current_exe().map_err(|e| Error::io("finding this executable", e))?;
     Command::new(exe)
         .envs(vars)
+        .env_remove(super::ENV_LISTEN)
         .env(ENV_JOIN, addr.to_string())
         .env(ENV_TOKEN, token)
         .env(ENV_HOST_NAME, name)

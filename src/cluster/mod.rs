@@ -31,12 +31,14 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 pub(crate) mod agent;
+mod clock;
 pub(crate) mod data;
 pub(crate) mod driver;
 mod launch;
 pub(crate) mod wire;
 
 pub use agent::{ENV_DATA_ADDR, ENV_DATA_ADVERTISE, EXIT_JOIN_FAILED};
+pub use clock::ClockOffset;
 pub use launch::LocalHosts;
 
 /// The driver's address, `host:port`, in a joining host's environment.
@@ -45,6 +47,13 @@ pub const ENV_JOIN: &str = "ADAG_JOIN";
 pub const ENV_TOKEN: &str = "ADAG_TOKEN";
 /// The host's name as the driver lists it (default: the machine's host name).
 pub const ENV_HOST_NAME: &str = "ADAG_HOST_NAME";
+/// Where a driver listens for hosts (`ip:port`, or `name:port`), read by
+/// [`Runtime::new`](crate::Runtime::new) with [`ENV_TOKEN`]: a launcher configures the driver
+/// without code of the user's.
+pub const ENV_LISTEN: &str = "ADAG_LISTEN";
+/// How long a joining host keeps trying to reach its driver, in seconds (default 30): set it
+/// to cover a driver that starts late (a Kubernetes pod waiting for its image).
+pub const ENV_JOIN_TIMEOUT: &str = "ADAG_JOIN_TIMEOUT";
 
 /// A host that joined the driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +68,30 @@ pub struct HostInfo {
     pub cores: usize,
     /// The agent's process id on that host.
     pub pid: u32,
+    /// Where its data port is reached (the network channels read there connect to it).
+    pub data_address: SocketAddr,
+    /// `None` while it is alive; once lost, when and why (a lost host stays listed, as Ray
+    /// lists a dead node with `Alive: False`).
+    pub lost: Option<HostLoss>,
+    /// Its clock against the driver's, estimated over the heartbeats (`None` until the first
+    /// answer): what the timeline subtracts from its actors' records, and how sure it is.
+    pub clock: Option<ClockOffset>,
+}
+
+impl HostInfo {
+    /// Whether the host is still connected (not lost).
+    pub fn is_alive(&self) -> bool {
+        self.lost.is_none()
+    }
+}
+
+/// When and why a host was lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostLoss {
+    /// When the driver counted it lost.
+    pub at: std::time::SystemTime,
+    /// Why: its connection closed or broke, it fell silent past the heartbeat timeout, ...
+    pub reason: String,
 }
 
 /// How the driver listens for hosts ([`Runtime::listen`](crate::Runtime::listen)).
@@ -116,5 +149,45 @@ impl ClusterOptions {
     pub fn heartbeat_timeout(mut self, d: Duration) -> Self {
         self.heartbeat_timeout = d;
         self
+    }
+
+    /// The options a launcher put in the environment: `None` without [`ENV_LISTEN`]; with
+    /// it, listen there with the secret of [`ENV_TOKEN`] (required then).
+    ///
+    /// ```
+    /// use adag::cluster::ClusterOptions;
+    /// // SAFETY: no other thread of this example reads the environment.
+    /// unsafe {
+    ///     std::env::set_var("ADAG_LISTEN", "127.0.0.1:0");
+    ///     std::env::set_var("ADAG_TOKEN", "s3cret");
+    /// }
+    /// let o = ClusterOptions::from_env()?.expect("ADAG_LISTEN is set");
+    /// assert!(o.addr.ip().is_loopback());
+    /// # Ok::<(), adag::Error>(())
+    /// ```
+    pub fn from_env() -> crate::Result<Option<ClusterOptions>> {
+        let Some(listen) = std::env::var(ENV_LISTEN).ok().filter(|v| !v.is_empty()) else {
+            return Ok(None);
+        };
+        let what = || format!("listening where {ENV_LISTEN} says ({listen})");
+        let token = std::env::var(ENV_TOKEN)
+            .ok()
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| {
+                crate::Error::io(
+                    what(),
+                    format!("{ENV_TOKEN} is not set: set the cluster's shared secret in {ENV_TOKEN} beside {ENV_LISTEN}"),
+                )
+            })?;
+        let addr = std::net::ToSocketAddrs::to_socket_addrs(listen.as_str())
+            .map_err(|e| {
+                crate::Error::io(
+                    what(),
+                    format!("not an address (ip:port or name:port) that resolves: {e}"),
+                )
+            })?
+            .next()
+            .ok_or_else(|| crate::Error::io(what(), "the name resolves to no address"))?;
+        Ok(Some(ClusterOptions::new(token).addr(addr)))
     }
 }

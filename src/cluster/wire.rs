@@ -26,7 +26,7 @@ use std::time::Duration;
 /// The first bytes of every join.
 pub(crate) const MAGIC: &[u8; 8] = b"adagjoin";
 /// The protocol's version; a different one is refused with a message naming both.
-pub(crate) const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 4;
 /// How long each side waits for the other's part of the handshake.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The largest frame read before the peer is authenticated: the join is small.
@@ -119,11 +119,18 @@ pub(crate) enum ToAgent {
         host: u64,
         interval_ms: u64,
         timeout_ms: u64,
+        /// The most verbose `tracing` level the driver lets through (its workers' events
+        /// less severe than this are never sent).
+        log_level: String,
     },
     Refused {
         reason: String,
     },
-    Heartbeat,
+    /// Also the driver's clock when it was sent (`crate::clock::mono_ns`), answered at once
+    /// with [`ToDriver::Clock`]: the samples of the host's clock offset.
+    Heartbeat {
+        driver_ns: u64,
+    },
     /// The driver is going away: exit with everything started here.
     Shutdown,
     /// Request `req`; answered by one `ToDriver::Reply` with the same number.
@@ -153,6 +160,22 @@ pub(crate) enum ToDriver {
         actor: String,
         reason: String,
     },
+    /// The answer to a heartbeat: its `driver_ns`, and this host's clock when it arrived.
+    Clock {
+        driver_ns: u64,
+        agent_ns: u64,
+    },
+    /// Lines the workers of this host wrote, each already prefixed with its actor, pid and
+    /// host: `(true, line)` for stderr.
+    Logs {
+        lines: Vec<(bool, String)>,
+    },
+    /// A `tracing` event of a worker of this host (encoded by the runtime, opaque here).
+    Event {
+        actor: String,
+        pid: u32,
+        record: Vec<u8>,
+    },
 }
 
 /// Why a handshake or a frame failed.
@@ -174,6 +197,8 @@ pub(crate) enum WireError {
     Decode(String),
     #[error("no random numbers for the handshake: {0}")]
     Random(String),
+    #[error("{0}")]
+    Refused(String),
 }
 
 pub(crate) type HmacSha256 = Hmac<Sha256>;
@@ -234,16 +259,25 @@ pub(crate) fn agent_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<(
 }
 
 /// The driver's side of the handshake: checks the magic, the version and the agent's proof.
+/// Each failure says which step failed and what that means (a peer that closes the
+/// connection instead of proving itself is an agent with another secret: it checks the
+/// driver's proof first and leaves).
 pub(crate) fn driver_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<(), WireError> {
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
     let mut hello = [0u8; 8 + 4 + NONCE];
     // The magic first, on its own: a stranger is dropped after 8 bytes.
-    stream.read_exact(&mut hello[..MAGIC.len()])?;
+    stream
+        .read_exact(&mut hello[..MAGIC.len()])
+        .map_err(refused(
+            "before sending the join's first bytes (a port scan or a health check?)",
+        ))?;
     if &hello[..MAGIC.len()] != MAGIC {
         return Err(WireError::NotAdag(hello[..MAGIC.len()].to_vec()));
     }
-    stream.read_exact(&mut hello[MAGIC.len()..])?;
+    stream
+        .read_exact(&mut hello[MAGIC.len()..])
+        .map_err(refused("in the middle of its greeting"))?;
     let theirs = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes"));
     if theirs != VERSION {
         return Err(WireError::Version { theirs });
@@ -258,10 +292,26 @@ pub(crate) fn driver_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<
     reply.extend_from_slice(&mine);
     stream.write_all(&reply)?;
     let mut agent_proof = [0u8; PROOF];
-    stream.read_exact(&mut agent_proof)?;
+    stream.read_exact(&mut agent_proof).map_err(refused(
+        "instead of proving it knows the secret: its ADAG_TOKEN differs from this driver's (an agent checks the driver's proof first, and leaves when it fails)",
+    ))?;
     proof(secret, b"agent", nonce_a, &nonce_b)
         .verify_slice(&agent_proof)
         .map_err(|_| WireError::Auth("the agent did not prove it knows the secret"))
+}
+
+/// Names a handshake read that failed: the peer closed the connection (`when`), or said
+/// nothing within [`HANDSHAKE_TIMEOUT`].
+fn refused(when: &'static str) -> impl Fn(io::Error) -> WireError {
+    move |e| match e.kind() {
+        io::ErrorKind::UnexpectedEof => {
+            WireError::Refused(format!("the peer closed the connection {when}"))
+        }
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => WireError::Refused(format!(
+            "the peer said nothing for {HANDSHAKE_TIMEOUT:?} (not an adag agent, or one on a network that drops packets)"
+        )),
+        _ => WireError::Io(e),
+    }
 }
 
 /// Writes one frame: its length (u32 LE), then the message in postcard.
@@ -369,6 +419,7 @@ mod tests {
             host: 3,
             interval_ms: 100,
             timeout_ms: 1000,
+            log_level: "info".into(),
         };
         write_frame(&mut buf, &msg).unwrap();
         assert_eq!(read_frame::<ToAgent>(&mut &buf[..]).unwrap(), msg);

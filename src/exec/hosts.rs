@@ -33,6 +33,7 @@ impl RemoteParts {
         plan: &Arc<GraphPlan>,
         actors: &[HandleCore],
         sizes: &ChannelSizes,
+        timeline: bool,
     ) -> Option<RemoteParts> {
         let cluster = actors.iter().find_map(|a| match &a.0.link {
             ActorLink::Remote(link) => Some(link.cluster().clone()),
@@ -51,10 +52,9 @@ impl RemoteParts {
                 slot_bytes: sizes.slot_bytes as u64,
                 max_message_bytes: sizes.max_message_bytes as u64,
                 spin_ns: sizes.spin.as_nanos() as u64,
-                // Another host's monotonic clock does not line up with the driver's, so its
-                // records would not belong on the driver's timeline (docs/multi-host.md,
-                // limits): its actors record none, and spare the buffer and the clock reads.
-                timeline: false,
+                // Recorded on the host's clock; the driver shifts them by the host's estimated
+                // offset when it builds the timeline.
+                timeline,
                 addrs: addrs.clone(),
             };
             let (cluster, hosts) = (cluster.clone(), parts.hosts.clone());

@@ -49,7 +49,7 @@ pub use refs::{
     wait_first_async,
 };
 pub use stats::{ActorStats, EdgeStats, GraphStats};
-pub use timeline::{OpKind, Timeline, TimelineEvent};
+pub use timeline::{HostClock, OpKind, Timeline, TimelineEvent};
 
 /// The driver's endpoints in its own process.
 pub struct DriverIo {
@@ -286,7 +286,7 @@ fn start<I: Value>(
     let obs = stats::Observers::new(plan.clone(), &actors, opts.timeline);
     // Other hosts install their parts first (each connects the network channels it writes,
     // then waits for those it reads), while this host does the same.
-    let remote = RemoteParts::start(&plan, &actors, &sizes);
+    let remote = RemoteParts::start(&plan, &actors, &sizes, obs.timeline);
     let fail_early = |e: Error| {
         comms.destroy_all();
         chans.close_all();

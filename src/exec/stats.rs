@@ -3,7 +3,7 @@
 //! actors' are read in place, worker processes' are asked for over the control socket, and
 //! those of workers on other hosts through their host's agent (both collected once more at
 //! teardown, so that a torn-down graph still reports them).
-use super::timeline::{OpKind, Timeline, TimelineEvent};
+use super::timeline::{HostClock, OpKind, Timeline, TimelineEvent};
 use crate::actor::HandleCore;
 use crate::actor::channels::GraphChannels;
 use crate::actor::host::op_name;
@@ -261,14 +261,7 @@ impl Observers {
         if !self.timeline {
             return t;
         }
-        // Another host's clock is not the driver's: its records would be misplaced, so its
-        // actors record none and are not asked (docs/multi-host.md, limits).
-        let actors: Vec<HandleCore> = actors
-            .iter()
-            .filter(|a| !matches!(a.0.link, ActorLink::Remote(_)))
-            .cloned()
-            .collect();
-        let reports = self.reports(&actors, live);
+        let reports = self.reports(actors, live);
         for (a, r) in actors.iter().zip(reports) {
             let Some(r) = r else { continue };
             let Some(mine) = self.plan.actors.iter().find(|p| p.actor == a.id()) else {
@@ -276,11 +269,32 @@ impl Observers {
             };
             let names: Vec<(&'static str, String)> =
                 mine.ops.iter().map(|op| op_name(&self.plan, op)).collect();
-            let pid = match &a.0.link {
-                ActorLink::Process(link) => link.pid(),
-                ActorLink::Remote(_) => continue,
-                ActorLink::Thread(_) => std::process::id(),
+            // Another host's records are on its own clock: shifted by its offset to the
+            // driver's, estimated over the heartbeats (the estimate and its bound go in the
+            // timeline). A host without an estimate yet (its first heartbeat not answered) is
+            // left out rather than misplaced.
+            let (pid, host, shift) = match &a.0.link {
+                ActorLink::Process(link) => (link.pid(), 0, 0),
+                ActorLink::Thread(_) => (std::process::id(), 0, 0),
+                ActorLink::Remote(link) => {
+                    let host = link.host();
+                    let (name, clock) = link.cluster().clock_of(host);
+                    let Some(clock) = clock else {
+                        t.dropped += r.timeline.len() as u64 + r.timeline_dropped;
+                        continue;
+                    };
+                    if !t.clocks.iter().any(|c| c.host == host) {
+                        t.clocks.push(HostClock {
+                            host,
+                            name,
+                            offset_ns: clock.offset_ns,
+                            bound_ns: clock.bound_ns,
+                        });
+                    }
+                    (link.pid(), host, clock.offset_ns)
+                }
             };
+            let on_driver_clock = |ns: u64| ns.saturating_add_signed(shift.saturating_neg());
             t.dropped += r.timeline_dropped;
             for rec in r.timeline {
                 let Some((kind, name)) = names.get(rec.op as usize) else {
@@ -290,12 +304,13 @@ impl Observers {
                     actor: a.name().to_string(),
                     actor_id: a.id(),
                     pid,
+                    host,
                     kind: OpKind::from_name(kind),
                     name: name.clone(),
                     op: rec.op,
                     exec: rec.exec,
-                    start_ns: rec.start,
-                    end_ns: rec.end,
+                    start_ns: on_driver_clock(rec.start),
+                    end_ns: on_driver_clock(rec.end),
                 });
             }
         }

@@ -46,8 +46,10 @@ pub struct TimelineEvent {
     pub actor: String,
     /// The actor's id (its track).
     pub actor_id: u64,
-    /// The process it ran in (the driver's for thread actors).
+    /// The process it ran in (the driver's for thread actors), on its host.
     pub pid: u32,
+    /// Its host (0: the driver's).
+    pub host: u64,
     /// What the operation does.
     pub kind: OpKind,
     /// The method (compute), or the node whose value is read or written.
@@ -56,7 +58,9 @@ pub struct TimelineEvent {
     pub op: u32,
     /// The execution (0 for the first `execute`).
     pub exec: u64,
-    /// Start, in nanoseconds of `CLOCK_MONOTONIC` (one clock for every process of the host).
+    /// Start, in nanoseconds of the driver's `CLOCK_MONOTONIC` (one clock for every process
+    /// of a host; another host's records are shifted by its estimated offset, see
+    /// [`Timeline::clocks`]).
     pub start_ns: u64,
     /// End, on the same clock.
     pub end_ns: u64,
@@ -93,8 +97,26 @@ pub struct TimelineEvent {
 pub struct Timeline {
     /// Every operation recorded, ordered by start.
     pub events: Vec<TimelineEvent>,
-    /// Operations that did not fit an actor's buffer (the first ones are kept).
+    /// Operations that did not fit an actor's buffer (the first ones are kept), and those of
+    /// a host whose clock offset was not estimated yet.
     pub dropped: u64,
+    /// The clock of each other host whose actors are on the timeline: how far it is from the
+    /// driver's (subtracted from their records) and how sure that is.
+    pub clocks: Vec<HostClock>,
+}
+
+/// Another host's clock on a timeline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostClock {
+    /// The host's id.
+    pub host: u64,
+    /// Its name.
+    pub name: String,
+    /// Its clock minus the driver's, in nanoseconds (least-delay sample of the heartbeats).
+    pub offset_ns: i64,
+    /// The true offset lies within `offset_ns ± bound_ns`: slices of that host are placed
+    /// this exactly against the driver's.
+    pub bound_ns: u64,
 }
 
 impl Timeline {
@@ -108,19 +130,28 @@ impl Timeline {
         let mut out = Vec::with_capacity(self.events.len() + 8);
         let mut named = std::collections::BTreeSet::new();
         let driver = std::process::id();
+        // Process ids of other hosts may equal this host's: each host's get a range of their own.
+        let track = |e: &TimelineEvent| (e.host << 32) | u64::from(e.pid);
         for e in &self.events {
-            if named.insert((e.pid, e.actor_id)) {
+            if named.insert((track(e), e.actor_id)) {
                 out.push(
-                    json!({"ph": "M", "name": "thread_name", "pid": e.pid, "tid": e.actor_id,
+                    json!({"ph": "M", "name": "thread_name", "pid": track(e), "tid": e.actor_id,
                     "args": {"name": e.actor}}),
                 );
-                let process = if e.pid == driver {
-                    "driver".to_string()
-                } else {
-                    format!("worker {}", e.actor)
+                let process = match self.clocks.iter().find(|c| c.host == e.host) {
+                    _ if e.host == 0 && e.pid == driver => format!("driver (pid {})", e.pid),
+                    None => format!("worker {} (pid {})", e.actor, e.pid),
+                    Some(c) => format!(
+                        "worker {} (pid {}) on host {}, clock {:+.3} ms ± {:.3} ms",
+                        e.actor,
+                        e.pid,
+                        c.name,
+                        c.offset_ns as f64 / 1e6,
+                        c.bound_ns as f64 / 1e6
+                    ),
                 };
-                out.push(json!({"ph": "M", "name": "process_name", "pid": e.pid,
-                    "args": {"name": format!("{process} (pid {})", e.pid)}}));
+                out.push(json!({"ph": "M", "name": "process_name", "pid": track(e),
+                    "args": {"name": process}}));
             }
             let name = match e.kind {
                 OpKind::Compute => format!("{}.{}", e.actor, e.name),
@@ -128,7 +159,7 @@ impl Timeline {
             };
             out.push(json!({
                 "ph": "X", "name": name, "cat": e.kind.as_str(),
-                "pid": e.pid, "tid": e.actor_id,
+                "pid": track(e), "tid": e.actor_id,
                 "ts": us(e.start_ns), "dur": (e.end_ns.saturating_sub(e.start_ns)) as f64 / 1000.0,
                 "args": {"exec": e.exec, "actor": e.actor, "op": e.op},
             }));
@@ -136,7 +167,15 @@ impl Timeline {
         json!({
             "traceEvents": out,
             "displayTimeUnit": "ns",
-            "otherData": {"clock": "CLOCK_MONOTONIC", "base_ns": base, "dropped": self.dropped},
+            "otherData": {
+                "clock": "CLOCK_MONOTONIC of the driver's host",
+                "base_ns": base,
+                "dropped": self.dropped,
+                "host_clocks": self.clocks.iter().map(|c| json!({
+                    "host": c.host, "name": c.name,
+                    "offset_ns": c.offset_ns, "bound_ns": c.bound_ns,
+                })).collect::<Vec<_>>(),
+            },
         })
         .to_string()
     }
