@@ -105,7 +105,7 @@ def main() -> int:
                     help="the Ray cluster (default: RAY_ADDRESS, else auto)")
     ap.add_argument("--port", type=int, default=int(os.environ.get("ADAG_PORT", "0")),
                     help="the driver's port (default: ADAG_PORT, else a free one)")
-    ap.add_argument("--agent-command", default=None,
+    ap.add_argument("--agent", dest="agent_command", default=None,
                     help="what agents run instead of the program (a shell-quoted command, "
                          "e.g. 'python -m adag.agent' for a Python driver)")
     ap.add_argument("--agent-on-driver-node", action="store_true",
