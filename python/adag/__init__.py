@@ -221,13 +221,29 @@ def init(
     listen: Optional[str] = None,
     token: Optional[str] = None,
     heartbeat_timeout: Optional[float] = None,
+    ray_address: Optional[str] = None,
+    timeout: Optional[float] = None,
     **ray_options: Any,
 ) -> Optional[str]:
-    """Ray's ``ray.init``. Without ``listen=`` (and without ``ADAG_LISTEN`` in the
-    environment) it does nothing: actors are worker processes of this interpreter, started
-    by ``.remote()``. ``address`` and Ray's other keywords (``num_cpus``, ``namespace``,
-    ``runtime_env``, ``ignore_reinit_error``, ...) are accepted and ignored; a keyword Ray's
-    ``init`` does not have either is a ``TypeError`` (so a misspelt option is not lost).
+    """Ray's ``ray.init``. Without ``listen=`` or ``ray_address=`` (and without
+    ``ADAG_LISTEN`` in the environment) it does nothing: actors are worker processes of this
+    interpreter, started by ``.remote()``. ``address`` and Ray's other keywords
+    (``num_cpus``, ``namespace``, ``runtime_env``, ``ignore_reinit_error``, ...) are accepted
+    and ignored; a keyword Ray's ``init`` does not have either is a ``TypeError`` (so a
+    misspelt option is not lost).
+
+    ``ray_address="auto"`` (or a Ray cluster's address) runs adag on a Ray cluster: Ray
+    places and starts adag's hosts, adag moves the data. It connects to Ray (with Ray's
+    keywords given here; an earlier ``ray.init()`` of this process is used as it is), listens
+    on the address of the driver's Ray node (any free port, or ``listen=``) with a fresh
+    random secret (or ``token=``), and starts an adag agent on every other alive Ray node (a
+    Ray actor pinned to it, ``num_cpus=0``); returns once all joined (``timeout`` seconds at
+    most, 60 by default: :class:`~adag.exceptions.AdagError` names the Ray nodes that did
+    not join and what to check). Then ``NodeAffinitySchedulingStrategy(node_id=<Ray node
+    id>)`` (Ray's class or adag's) places an actor on that node, ``num_gpus=``/``resources=``
+    choose among the nodes that have them free, :func:`nodes` lists each host's
+    ``"RayNodeID"``, :func:`add_ray_nodes` adds Ray nodes that joined later, and
+    :func:`shutdown` kills the agents. See ``docs/multi-host.md`` (On a Ray cluster).
 
     ``listen="ip:port"`` (or ``ADAG_LISTEN``) makes this driver listen for other hosts
     (port 0: any free one; loopback only reaches this machine, ``0.0.0.0`` every interface),
@@ -247,6 +263,19 @@ def init(
         )
     if listen is None:
         listen = _os.environ.get(ENV_LISTEN) or None
+    if ray_address is not None:
+        from . import _ray
+
+        return _ray.init(
+            ray_address,
+            listen,
+            token,
+            heartbeat_timeout,
+            _ray.JOIN_TIMEOUT if timeout is None else timeout,
+            ray_options,
+        )
+    if timeout is not None:
+        raise TypeError("timeout= goes with ray_address= (how long the Ray nodes may take to join)")
     if listen is None:
         if token is not None or heartbeat_timeout is not None:
             raise TypeError("token= and heartbeat_timeout= go with listen=\"ip:port\"")
@@ -265,10 +294,25 @@ def is_initialized() -> bool:
 
 def shutdown() -> None:
     """Ray's ``ray.shutdown``: tears down every live compiled graph of this process (actor
-    processes end when their handles are dropped, and with the interpreter)."""
+    processes end when their handles are dropped, and with the interpreter). On a Ray
+    cluster (``init(ray_address=...)``) it also kills the agents' Ray actors, with them the
+    agents and their workers, waits (bounded) until the driver has seen those hosts leave,
+    and disconnects from Ray if ``init`` connected."""
+    from . import _ray
     from ._dag import _teardown_all
 
     _teardown_all()
+    _ray.shutdown()
 
 
-__all__ += ["init", "is_initialized", "shutdown", "__version__"]
+def add_ray_nodes(timeout: float = 60.0) -> List[dict]:
+    """On a Ray cluster (``init(ray_address=...)``): start an adag agent on every alive Ray
+    node that has no adag host yet (it joined the Ray cluster later, or its agent was lost)
+    and wait up to ``timeout`` seconds for them to join; returns :func:`nodes`. Raises
+    :class:`~adag.exceptions.AdagError` naming the Ray nodes that did not join."""
+    from . import _ray
+
+    return _ray.add_ray_nodes(timeout)
+
+
+__all__ += ["add_ray_nodes", "init", "is_initialized", "shutdown", "__version__"]

@@ -469,6 +469,9 @@ class ActorHandle:
 
     def _kill(self) -> None:
         self._native.kill()
+        release = self.__dict__.get("_release")
+        if release is not None:  # the resources it held on a Ray cluster
+            release()
 
 
 #: Live handles by actor name, for calls that other actors make through this driver.
@@ -525,7 +528,14 @@ class ActorClass(Generic[T]):
             name,
             host,
         )
-        return ActorHandle(native, self._cls.__name__, self._methods)
+        handle = ActorHandle(native, self._cls.__name__, self._methods)
+        from . import _ray
+
+        if _ray.active():
+            # On a Ray cluster the actor holds what it asked for (num_gpus=, ...) until its
+            # handle is dropped or it is killed.
+            _ray.claim(handle, host, _ray.request(self._options))
+        return handle
 
     def bind(self, *args: Any, **kwargs: Any) -> Any:
         raise ValueError(

@@ -89,15 +89,20 @@ def _driver_node() -> Dict[str, Any]:
 def _node(
     host: int, name: str, ip: str, cores: int, pid: int, driver: bool = False
 ) -> Dict[str, Any]:
+    from . import _ray
+
     return {
         "NodeID": str(host),
         "Alive": True,
         "NodeName": name,
         "NodeManagerAddress": ip,
         "NodeManagerHostname": name,
-        "Resources": {"CPU": float(cores)},
+        # On a Ray cluster: the resources Ray gives the host's node (what num_gpus= and
+        # resources= of an actor are matched against).
+        "Resources": _ray.resources_of(host) or {"CPU": float(cores)},
         "IsDriver": driver,
         "AgentPid": pid,
+        "RayNodeID": _ray.ray_node_of(host),
     }
 
 
@@ -128,8 +133,11 @@ def nodes() -> List[Dict[str, Any]]:
 
     Each is a dict with Ray's keys ``"NodeID"`` (pass it to
     ``NodeAffinitySchedulingStrategy``), ``"Alive"``, ``"NodeName"``,
-    ``"NodeManagerAddress"``, ``"NodeManagerHostname"``, ``"Resources"`` (``{"CPU": n}``),
-    and adag's ``"IsDriver"`` and ``"AgentPid"`` (the agent's process id on its host).
+    ``"NodeManagerAddress"``, ``"NodeManagerHostname"``, ``"Resources"`` (``{"CPU": n}``;
+    on a Ray cluster the Ray node's resources), and adag's ``"IsDriver"``, ``"AgentPid"``
+    (the agent's process id on its host) and ``"RayNodeID"`` (on a Ray cluster, the Ray
+    node the host runs on, which ``NodeAffinitySchedulingStrategy`` takes too; else
+    ``None``).
     """
     return [_driver_node()] + _listed(_native.all_hosts())
 
@@ -161,7 +169,38 @@ def _host_id(node_id: Any) -> Optional[int]:
 
 def placement(actor: str, options: Mapping[str, Any]) -> int:
     """The host an actor with these ``.options(...)`` runs on (0: the driver's). Raises
-    :class:`~adag.exceptions.PlacementError` when it names a host that is not live."""
+    :class:`~adag.exceptions.PlacementError` when it names a host that is not live (or, on
+    a Ray cluster, when no host has the resources it asks for free)."""
+    from . import _ray
+
+    want = _ray.request(options) if _ray.active() else {}
+    if not want:
+        return _placement(actor, options)
+    # On a Ray cluster the resources an actor asks for (num_gpus=, resources=, ...) choose
+    # among the hosts whose Ray node has them free, as Ray's scheduler would.
+    strategy = options.get("scheduling_strategy")
+    if options.get("host") is not None or hasattr(strategy, "node_id"):
+        soft = bool(getattr(strategy, "soft", False))
+        try:
+            host = _placement(actor, options, hard=True)
+        except PlacementError:
+            if not soft:
+                raise
+        else:
+            # soft=True (Ray's): a host without the resources free gives way to any that has.
+            if not soft or _ray.fits(host, want):
+                return _ray.choose(actor, want, [host], f"placed on host {host}")
+    ids = [0] + [h[0] for h in _native.hosts()]
+    if strategy == "SPREAD":
+        k = next(_spread) % len(ids)
+        ids = ids[k:] + ids[:k]
+    return _ray.choose(actor, want, ids, "any live host")
+
+
+def _placement(actor: str, options: Mapping[str, Any], hard: bool = False) -> int:
+    """The host ``options`` name, whatever they ask for (``hard``: as if ``soft=False``)."""
+    from . import _ray
+
     host = options.get("host")
     strategy = options.get("scheduling_strategy")
     if host is not None and strategy is not None:
@@ -181,8 +220,21 @@ def placement(actor: str, options: Mapping[str, Any]) -> int:
                 "NodeAffinitySchedulingStrategy(node_id=..., soft=...)"
             )
         host = strategy.node_id
-        soft = bool(getattr(strategy, "soft", False))
+        soft = bool(getattr(strategy, "soft", False)) and not hard
         how = f"NodeAffinitySchedulingStrategy(node_id={host!r}, soft={soft})"
+    on_ray = _ray.host_of_ray_node(host)  # a Ray node id, on a Ray cluster
+    if on_ray is not None:
+        wanted, why = on_ray
+        if wanted is not None:
+            return wanted
+        if soft:
+            return 0
+        raise PlacementError(
+            f"actor {actor} is placed on Ray node {host} ({how}), but {why}; live hosts "
+            f"(adag.nodes() lists the RayNodeID of each): "
+            f"{_describe([n for n in nodes() if n['Alive']])}; or pass "
+            "soft=True to run the actor on the driver's host instead"
+        )
     wanted = _host_id(host)
     if wanted == 0:
         return 0
@@ -203,6 +255,8 @@ def placement(actor: str, options: Mapping[str, Any]) -> int:
             "adag.agent and wait for it with adag.wait_for_nodes(n), pick a NodeID of "
             "adag.nodes(), or pass soft=True to run the actor on the driver's host instead"
         )
+        if _ray.active():
+            fix += " (on a Ray cluster: a RayNodeID of adag.nodes() works too)"
     raise PlacementError(
         f"actor {actor} is placed on host {host!r} ({how}), but no live host has that "
         f"NodeID (live: {_describe([n for n in nodes() if n['Alive']])}); {fix}"
