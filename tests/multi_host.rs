@@ -324,6 +324,34 @@ fn a_lost_host_fails_the_graph_naming_it() {
     assert_eq!(g.execute(1).unwrap().get_timeout(GET).unwrap(), 9);
 }
 
+/// The middle host of a chain over three killed, many times: its neighbours see their
+/// connections break at once and report it, but the graph fails naming the host that died
+/// (its actor), never a neighbour.
+#[test]
+fn a_lost_middle_host_is_named_not_its_neighbours() {
+    for round in 0..5 {
+        let (rt, mut hosts, h) = cluster(3);
+        let a = on(&rt, &h[0], 1);
+        let b = on(&rt, &h[1], 10);
+        let c = on(&rt, &h[2], 100);
+        let dag = Dag::<u64>::new();
+        let g = dag
+            .compile(
+                c.step(b.step(a.step(dag.input()))),
+                CompileOptions::default(),
+            )
+            .unwrap();
+        assert_eq!(g.execute(1).unwrap().get_timeout(GET).unwrap(), 112);
+        hosts.kill(1).unwrap();
+        let err = g.execute(2).and_then(|r| r.get_timeout(GET)).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(err, adag::Error::ActorDied { .. }) && text.contains(&h[1].name),
+            "round {round}: {text}"
+        );
+    }
+}
+
 /// The statistics of `g` once `done` holds for them, or the last ones after 10 s: an actor
 /// counts an execution, and a writer a message, just after the value left, so the driver may
 /// get a result a moment before the counters it reads moved.

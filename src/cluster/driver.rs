@@ -16,6 +16,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 type Reply = Result<AgentReply, RemoteFailure>;
+/// How long a broken connection reported by one host waits for another host of the cluster
+/// to be counted lost (a killed host is seen within milliseconds: its connection closes).
+const FAULT_GRACE: Duration = Duration::from_millis(500);
 /// Told why an actor's worker died (or its host was lost).
 pub(crate) type DeathCallback = Box<dyn Fn(&str) + Send + Sync>;
 /// Told that a graph's schedule stopped on a host: (actor, why).
@@ -136,24 +139,53 @@ impl ClusterDriver {
         self.state.lock().faults.remove(&graph);
     }
 
-    fn fault(&self, host: u64, graph: u64, actor: String, reason: String) {
+    fn fault(self: &Arc<Self>, host: u64, graph: u64, actor: String, reason: String) {
         let Some(cb) = self.state.lock().faults.get(&graph).cloned() else {
             return;
         };
         let why = format!("on {}: {reason}", self.describe_host(host));
-        // Off the host's reader thread, as deaths are.
+        let lost_before = self.lost_count();
+        let driver = Arc::downgrade(self);
+        // Off the host's reader thread, as deaths are. A host that died breaks its neighbours'
+        // connections too, and their report can come first: wait a moment for the loss, so
+        // that the graph fails naming the host that died (ActorDied), not a neighbour.
         let _ = std::thread::Builder::new()
             .name(format!("adag-fault-{graph}"))
-            .spawn(move || cb(&actor, &why));
+            .spawn(move || {
+                if let Some(d) = driver.upgrade() {
+                    let until = Instant::now() + FAULT_GRACE;
+                    let mut state = d.state.lock();
+                    while Self::count_lost(&state) == lost_before
+                        && !d.changed.wait_until(&mut state, until).timed_out()
+                    {
+                    }
+                    let lost = Self::count_lost(&state) > lost_before;
+                    drop(state);
+                    drop(d);
+                    if lost {
+                        // Its actors' deaths are being reported on their own thread.
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+                cb(&actor, &why)
+            });
     }
 
-    /// The driver's host's data port.
+    fn count_lost(state: &State) -> usize {
+        state.hosts.iter().filter(|h| h.info.lost.is_some()).count()
+    }
+
+    fn lost_count(&self) -> usize {
+        Self::count_lost(&self.state.lock())
+    }
+
     /// Sends the output and events of workers on other hosts to `sink` (set once, right
     /// after the driver starts).
     pub(crate) fn set_log_sink(&self, sink: Arc<dyn LogSink>) {
         let _ = self.logs.set(sink);
     }
 
+    /// The driver's host's data port.
     pub(crate) fn data(&self) -> &Arc<DataPlane> {
         &self.data
     }
