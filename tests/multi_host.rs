@@ -1123,3 +1123,37 @@ fn one_f_one_b_over_two_hosts() {
         assert_eq!(log, want);
     }
 }
+
+/// Two actors on two hosts that each send the other a value larger than any TCP window in
+/// the same execution (an all-to-all): each writes, then reads the other's. A write waiting
+/// for its reader would leave both waiting for ever; the writes finish behind their backs.
+#[test]
+fn large_values_sent_both_ways_between_hosts_do_not_deadlock() {
+    let (rt, _hosts, h) = cluster(2);
+    let a = rt
+        .spawn_named::<Shard>(Placement::Host(h[0].id), "left", 0)
+        .unwrap();
+    let b = rt
+        .spawn_named::<Shard>(Placement::Host(h[1].id), "right", 1)
+        .unwrap();
+    let dag = Dag::<u64>::new();
+    let n = dag.input();
+    let (xa, xb) = (a.make(&n), b.make(&n));
+    let g = dag
+        .compile(
+            MultiOutput(vec![a.digest(xb), b.digest(xa)]),
+            CompileOptions::default().max_inflight_executions(2),
+        )
+        .unwrap();
+    for n in [16u64 << 20, 1024, 4 << 20] {
+        let out: Vec<_> = g
+            .execute(n)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.get_timeout(GET).unwrap())
+            .collect();
+        let sum = |rank: f64| -> f64 { (0..n).map(|i| (i % 1000) as f64 + rank * 1000.0).sum() };
+        assert_eq!(out[0].1, sum(1.0), "{n}: left got right's");
+        assert_eq!(out[1].1, sum(0.0), "{n}: right got left's");
+    }
+}

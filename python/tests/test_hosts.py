@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import adag
-from adag import InputNode
+from adag import InputNode, MultiOutputNode
 from adag.cluster import LocalHosts
 from adag.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors import Where
@@ -286,3 +286,32 @@ def test_init_and_wait_for_nodes_errors(hosts):
     with pytest.raises(adag.GetTimeoutError, match=addr.replace(".", r"\.")):
         adag.wait_for_nodes(50, timeout=0.2)
     assert time.monotonic() - t < 10
+
+
+def test_collectives_and_a_tensor_edge_span_hosts(hosts):
+    """An allreduce over an actor on each joined host and one on the driver's (a TCP
+    communicator group), and a tensor edge through a communicator between two hosts."""
+    from adag.collective import ReduceOp, allreduce
+    from actors import Echo
+
+    E = adag.remote(Echo)
+    a, b = [
+        E.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote()
+        for n in hosts.node_ids()
+    ]
+    c = E.remote()
+    with InputNode() as inp:
+        parts = [w.scale.bind(inp, k=i + 1) for i, w in enumerate([a, b, c])]
+        summed = allreduce.bind(parts, op=ReduceOp.SUM)
+        edge = b.scale.bind(a.scale.bind(inp, k=5).with_tensor_transport("auto"), k=1)
+        dag = MultiOutputNode(summed + [edge])
+    compiled = dag.experimental_compile()
+    try:
+        for n in [6, 1 << 20]:
+            x = np.arange(n, dtype=np.float32)
+            out = adag.get(compiled.execute(x), timeout=60)
+            for r in out[:3]:
+                assert np.array_equal(r, x * 6)
+            assert np.array_equal(out[3], x * 5)
+    finally:
+        compiled.teardown()

@@ -10,8 +10,11 @@
 //! read like any other.
 //!
 //! - **Depth and back-pressure.** The driver admits at most `max_inflight_executions`
-//!   executions, so no edge ever carries more messages than that; the bytes in flight are
-//!   bounded by TCP's window: a reader that does not read stops its writer's sends.
+//!   executions, so no edge ever carries more messages than that. A writer never waits for
+//!   its reader: what the socket does not take at once (a frame larger than the TCP window,
+//!   a reader busy elsewhere) is finished by a thread of the channel's, in order, while the
+//!   writer goes on. Actors that send each other large values across hosts (an all-to-all)
+//!   would otherwise each wait in its write for a peer that waits in its own.
 //! - **Waits.** A reader spins (non-blocking receives) up to its spin budget, then sleeps in
 //!   `poll` until data, the deadline, or a close: closing shuts the socket down, which wakes
 //!   both ends at once. A message is never cut: a write whose deadline passes before its first
@@ -81,38 +84,6 @@ fn wait_ready(
     }
 }
 
-/// Writes all of `slices`; the deadline applies only until the first byte is out.
-fn write_all(
-    stream: &mut TcpStream,
-    mut slices: &mut [IoSlice<'_>],
-    deadline: Option<Instant>,
-) -> Result<(), ChanError> {
-    let mut begun = false;
-    while !slices.is_empty() {
-        // `MSG_NOSIGNAL`: a connection the peer reset is an error here, never a SIGPIPE that
-        // kills the process (a worker starts before Rust's runtime would ignore it).
-        let sent = rustix::net::sendmsg(
-            &*stream,
-            slices,
-            &mut rustix::net::SendAncillaryBuffer::default(),
-            rustix::net::SendFlags::NOSIGNAL,
-        );
-        match sent {
-            Ok(0) => return Err(ChanError::Closed),
-            Ok(n) => {
-                begun = true;
-                IoSlice::advance_slices(&mut slices, n);
-            }
-            Err(rustix::io::Errno::AGAIN) => {
-                wait_ready(stream, PollFlags::OUT, if begun { None } else { deadline })?;
-            }
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(io_error(e.into())),
-        }
-    }
-    Ok(())
-}
-
 /// Prepares a connected stream for a channel: non-blocking, no Nagle delay.
 pub(crate) fn prepare(stream: &TcpStream) -> io::Result<()> {
     stream.set_nodelay(true)?;
@@ -130,7 +101,124 @@ pub(crate) struct NetTx<T> {
     /// The ceiling of one message.
     limit: usize,
     counters: Option<Arc<EndCounters>>,
+    /// Frames the socket did not take at once, finished in order by a thread; made at the
+    /// first such frame.
+    backlog: Option<Backlog>,
     _t: PhantomData<fn(T)>,
+}
+
+/// A frame, and how much of it is out.
+struct Unsent {
+    header: [u8; HEADER],
+    frame: frame::Gathered,
+    sent: usize,
+}
+
+impl Unsent {
+    fn slices(&self) -> Vec<IoSlice<'_>> {
+        let mut slices = Vec::with_capacity(2 + 2 * self.frame.attachments.len());
+        slices.push(IoSlice::new(&self.header));
+        slices.push(IoSlice::new(&self.frame.head));
+        for (pad, data) in &self.frame.attachments {
+            if *pad > 0 {
+                slices.push(IoSlice::new(&ZEROS[..*pad]));
+            }
+            slices.push(IoSlice::new(data));
+        }
+        slices
+    }
+
+    /// Sends what the socket takes now; whether the frame is out.
+    fn push(&mut self, stream: &TcpStream) -> Result<bool, ChanError> {
+        let (sent, done) = self.push_from(stream, self.sent);
+        self.sent = sent;
+        done
+    }
+
+    fn push_from(&self, stream: &TcpStream, mut sent: usize) -> (usize, Result<bool, ChanError>) {
+        let mut all = self.slices();
+        let mut slices = &mut all[..];
+        IoSlice::advance_slices(&mut slices, sent);
+        while !slices.is_empty() {
+            // `MSG_NOSIGNAL`: a connection the peer reset is an error here, never a SIGPIPE
+            // that kills the process (a worker starts before Rust's runtime would ignore it).
+            match rustix::net::sendmsg(
+                stream,
+                slices,
+                &mut rustix::net::SendAncillaryBuffer::default(),
+                rustix::net::SendFlags::NOSIGNAL,
+            ) {
+                Ok(0) => return (sent, Err(ChanError::Closed)),
+                Ok(n) => {
+                    sent += n;
+                    IoSlice::advance_slices(&mut slices, n);
+                }
+                Err(rustix::io::Errno::AGAIN) => return (sent, Ok(false)),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return (sent, Err(io_error(e.into()))),
+            }
+        }
+        (sent, Ok(true))
+    }
+}
+
+/// The thread that finishes a writer's frames the socket did not take at once.
+struct Backlog {
+    queue: crossbeam_channel::Sender<Unsent>,
+    /// Frames handed over and not yet out.
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+    /// Why the thread stopped sending (the connection broke), for the writer's next write.
+    failed: Arc<parking_lot::Mutex<Option<ChanError>>>,
+}
+
+impl Backlog {
+    fn start(stream: &TcpStream) -> Result<Backlog, ChanError> {
+        let stream = stream.try_clone().map_err(io_error)?;
+        let (queue, frames) = crossbeam_channel::unbounded::<Unsent>();
+        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let failed = Arc::new(parking_lot::Mutex::new(None));
+        let (q, f) = (queued.clone(), failed.clone());
+        std::thread::Builder::new()
+            .name("adag-net-send".into())
+            .spawn(move || {
+                // Ends when the writer is gone and every frame is out, or the connection
+                // fails (closing the channel shuts it down).
+                for mut unsent in frames {
+                    let done = loop {
+                        match unsent.push(&stream) {
+                            Ok(true) => break Ok(()),
+                            Ok(false) => {
+                                if let Err(e) = wait_ready(&stream, PollFlags::OUT, None) {
+                                    break Err(e);
+                                }
+                            }
+                            Err(e) => break Err(e),
+                        }
+                    };
+                    if let Err(e) = done {
+                        *f.lock() = Some(e);
+                        return;
+                    }
+                    q.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                }
+            })
+            .map_err(|e| ChanError::Codec(format!("no thread to send a large frame: {e}")))?;
+        Ok(Backlog {
+            queue,
+            queued,
+            failed,
+        })
+    }
+
+    fn busy(&self) -> bool {
+        self.queued.load(std::sync::atomic::Ordering::Acquire) > 0
+    }
+
+    fn hand_over(&self, unsent: Unsent) -> Result<(), ChanError> {
+        self.queued
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.queue.send(unsent).map_err(|_| ChanError::Closed)
+    }
 }
 
 impl<T> NetTx<T> {
@@ -139,6 +227,7 @@ impl<T> NetTx<T> {
             stream,
             limit,
             counters: None,
+            backlog: None,
             _t: PhantomData,
         }
     }
@@ -174,20 +263,41 @@ impl<T> NetTx<T> {
         let mut header = [0u8; HEADER];
         header[..8].copy_from_slice(&(g.total as u64).to_le_bytes());
         header[8] = tag;
-        let mut slices = Vec::with_capacity(2 + 2 * g.attachments.len());
-        slices.push(IoSlice::new(&header));
-        slices.push(IoSlice::new(&g.head));
-        for (pad, data) in &g.attachments {
-            if *pad > 0 {
-                slices.push(IoSlice::new(&ZEROS[..*pad]));
+        let mut unsent = Unsent {
+            header,
+            frame: g,
+            sent: 0,
+        };
+        let total = unsent.frame.total;
+        if let Some(b) = &self.backlog {
+            if let Some(e) = b.failed.lock().take() {
+                return Err(e);
             }
-            slices.push(IoSlice::new(data));
+            if b.busy() {
+                // Behind the frames still going out: in order.
+                b.hand_over(unsent)?;
+                self.count(total);
+                return Ok(());
+            }
         }
-        write_all(&mut self.stream, &mut slices, deadline)?;
-        if let Some(c) = &self.counters {
-            bump(&c.bytes, g.total as u64);
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(ChanError::Timeout);
         }
+        if !unsent.push(&self.stream)? {
+            // The rest goes out behind the writer's back; it does not wait for its reader.
+            if self.backlog.is_none() {
+                self.backlog = Some(Backlog::start(&self.stream)?);
+            }
+            self.backlog.as_ref().expect("started").hand_over(unsent)?;
+        }
+        self.count(total);
         Ok(())
+    }
+
+    fn count(&self, total: usize) {
+        if let Some(c) = &self.counters {
+            bump(&c.bytes, total as u64);
+        }
     }
 }
 
