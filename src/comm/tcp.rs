@@ -216,16 +216,9 @@ fn rendezvous(listener: TcpListener, world: usize, p: &Payload, root: &Root, gro
         if root.destroyed.load(Ordering::Acquire) || Instant::now() > deadline {
             return;
         }
-        let (mut s, peer) = match listener.accept() {
-            Ok(c) => c,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(2));
-                continue;
-            }
-            Err(_) => continue,
+        let Some((mut s, peer)) = accept_one(&listener) else {
+            continue;
         };
-        let _ = s.set_nonblocking(false);
-        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
         match read_registration(&mut s, &p.key, world) {
             Ok((rank, addr)) if table[rank].is_none() => table[rank] = Some((addr, s)),
             Ok((rank, _)) => {
@@ -247,6 +240,24 @@ fn rendezvous(listener: TcpListener, world: usize, p: &Payload, root: &Root, gro
     *root.ranks.lock().unwrap_or_else(|e| e.into_inner()) = ranks;
     if root.destroyed.load(Ordering::Acquire) {
         root.close();
+    }
+}
+
+/// A connection waiting on a non-blocking `listener`, made blocking with a read timeout that
+/// bounds its handshake; `None` after a short pause when none is waiting.
+fn accept_one(listener: &TcpListener) -> Option<(TcpStream, SocketAddr)> {
+    match listener.accept() {
+        Ok((s, peer)) => {
+            let _ = s.set_nonblocking(false);
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            Some((s, peer))
+        }
+        Err(e) => {
+            if e.kind() == io::ErrorKind::WouldBlock {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            None
+        }
     }
 }
 
@@ -751,16 +762,9 @@ fn form(p: &Payload, rank: usize, world: usize, group: &str) -> Result<Mesh, Com
                 timeout: Duration::from_millis(p.timeout_ms),
             });
         }
-        let mut s = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(1));
-                continue;
-            }
-            Err(_) => continue,
+        let Some((mut s, _)) = accept_one(&listener) else {
+            continue;
         };
-        let _ = s.set_nonblocking(false);
-        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
         let mut hello = [0u8; 8 + 1 + 8 + PROOF];
         if s.read_exact(&mut hello).is_err() || &hello[..8] != MAGIC {
             continue;
