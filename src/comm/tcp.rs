@@ -1122,6 +1122,30 @@ mod tests {
     }
 
     #[test]
+    fn allreduce_of_two_and_four_ranks_matches_the_reference() {
+        for world in [2usize, 4] {
+            let (_g, comms) = ranks(world, "tcp-worlds");
+            // Parts that do not split evenly.
+            let n = 300_001usize;
+            let input = |r: usize| {
+                Tensor::from(
+                    (0..n)
+                        .map(|i| (i % 13) as i32 * (r as i32 + 1) - 6)
+                        .collect::<Vec<i32>>(),
+                )
+            };
+            for op in [ReduceOp::Sum, ReduceOp::Average, ReduceOp::Min] {
+                let all: Vec<Tensor> = (0..world).map(input).collect();
+                let want = crate::comm::reduce_tensors(&all, op).unwrap();
+                let got = on_each(&comms, |c| c.allreduce(&input(c.rank()), op).unwrap());
+                for t in &got {
+                    assert_eq!(t, &want, "{op:?} over {world}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn point_to_point_mismatch_and_destroy() {
         let (g, comms) = ranks(2, "tcp-p2p");
         let got = on_each(&comms, |c| {
