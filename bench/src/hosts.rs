@@ -185,25 +185,31 @@ impl Bench {
                 s.set_nodelay(true)?;
             }
             threads.push(std::thread::spawn(move || -> std::io::Result<()> {
+                // Sent from a tensor-sized buffer and received into another, as a ring moves
+                // the tensor's bytes through memory (a small buffer sent over and over would
+                // stay in cache and flatter the links).
                 let chunk = 1usize << 20;
-                let src = vec![0x5au8; chunk];
-                let mut dst = vec![0u8; chunk];
+                let tensor = 64usize << 20;
+                let src = vec![0x5au8; tensor];
+                let mut dst = vec![0u8; tensor];
                 while start_rx.recv().is_ok() {
                     std::thread::scope(|s| -> std::io::Result<()> {
                         let sender = s.spawn(|| -> std::io::Result<()> {
-                            let mut left = bytes;
-                            while left > 0 {
-                                let n = left.min(chunk);
-                                out.write_all(&src[..n])?;
-                                left -= n;
+                            let mut done = 0;
+                            while done < bytes {
+                                let at = done % tensor;
+                                let n = (bytes - done).min(chunk).min(tensor - at);
+                                out.write_all(&src[at..at + n])?;
+                                done += n;
                             }
                             Ok(())
                         });
-                        let mut left = bytes;
-                        while left > 0 {
-                            let n = left.min(chunk);
-                            inp.read_exact(&mut dst[..n])?;
-                            left -= n;
+                        let mut done = 0;
+                        while done < bytes {
+                            let at = done % tensor;
+                            let n = (bytes - done).min(chunk).min(tensor - at);
+                            inp.read_exact(&mut dst[at..at + n])?;
+                            done += n;
                         }
                         sender.join().expect("sender")?;
                         Ok(())
