@@ -426,24 +426,33 @@ fn env_listen_driver_role() {
     assert!(second.hosts().is_empty());
 }
 
+/// Starts `env_listen_driver_role` as a driver configured only by its environment:
+/// `ADAG_LISTEN=listen`, and `ADAG_TOKEN` when given (removed otherwise); output piped.
+fn env_listen_driver(listen: &str, token: Option<&str>) -> std::process::Child {
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "env_listen_driver_role",
+        "--ignored",
+        "--nocapture",
+    ])
+    .env(ENV_ROLE, "1")
+    .env(adag::cluster::ENV_LISTEN, listen)
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped());
+    match token {
+        Some(t) => cmd.env(adag::cluster::ENV_TOKEN, t),
+        None => cmd.env_remove(adag::cluster::ENV_TOKEN),
+    };
+    cmd.spawn().unwrap()
+}
+
 #[test]
 fn a_driver_listens_where_adag_listen_says() {
     let addr: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     // The host starts first and waits for the driver (a launcher's order is any).
     let mut hosts = LocalHosts::start(1, addr, SECRET).unwrap();
-    let mut driver = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "env_listen_driver_role",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env(ENV_ROLE, "1")
-        .env(adag::cluster::ENV_LISTEN, addr.to_string())
-        .env(adag::cluster::ENV_TOKEN, SECRET)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut driver = env_listen_driver(&addr.to_string(), Some(SECRET));
     let mut out = String::new();
     let code = exit_code(&mut driver, Duration::from_secs(120));
     driver
@@ -452,28 +461,22 @@ fn a_driver_listens_where_adag_listen_says() {
         .unwrap()
         .read_to_string(&mut out)
         .unwrap();
-    assert_eq!(code, Some(0), "{out}");
-    assert!(out.contains("JOINED local-0"), "{out}");
+    let mut err = String::new();
+    driver
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(out.contains("JOINED local-0"), "{out}\n{err}");
     // The driver left: its host follows.
     assert_eq!(hosts.wait(0).unwrap(), Some(0));
 }
 
 #[test]
 fn adag_listen_without_a_token_is_an_error_naming_both() {
-    let mut driver = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "env_listen_driver_role",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env(ENV_ROLE, "1")
-        .env(adag::cluster::ENV_LISTEN, "127.0.0.1:0")
-        .env_remove(adag::cluster::ENV_TOKEN)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut driver = env_listen_driver("127.0.0.1:0", None);
     let code = exit_code(&mut driver, Duration::from_secs(60));
     let mut out = String::new();
     driver

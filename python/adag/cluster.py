@@ -114,14 +114,13 @@ def _joined(hosts: Sequence[Tuple[int, str, str, int, int]]) -> List[Dict[str, A
 
 
 def _listed(hosts: Sequence[Tuple[Any, ...]]) -> List[Dict[str, Any]]:
-    nodes = []
-    for h, name, addr, cores, pid, lost_at, why in hosts:
-        node = _node(h, name, addr.rsplit(":", 1)[0].strip("[]"), cores, pid)
+    """``_joined`` of every host, lost ones marked (each tuple ends with when and why)."""
+    nodes = _joined([h[:5] for h in hosts])
+    for node, (*_, lost_at, why) in zip(nodes, hosts):
         if lost_at is not None:
             node["Alive"] = False
             node["DeathReasonMessage"] = why
             node["LostAt"] = lost_at
-        nodes.append(node)
     return nodes
 
 

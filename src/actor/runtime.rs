@@ -117,8 +117,7 @@ impl Runtime {
     /// ([`ClusterOptions::from_env`]); later runtimes of the process do not (one process,
     /// one address).
     pub fn new() -> Result<Self> {
-        super::worker::maybe_run_worker();
-        let rt = Runtime::default();
+        let rt = Runtime::without_env();
         static LISTEN_FROM_ENV: std::sync::Once = std::sync::Once::new();
         let mut options = Ok(None);
         LISTEN_FROM_ENV.call_once(|| options = ClusterOptions::from_env());

@@ -115,30 +115,20 @@ struct Unsent {
 }
 
 impl Unsent {
-    fn slices(&self) -> Vec<IoSlice<'_>> {
-        let mut slices = Vec::with_capacity(2 + 2 * self.frame.attachments.len());
-        slices.push(IoSlice::new(&self.header));
-        slices.push(IoSlice::new(&self.frame.head));
-        for (pad, data) in &self.frame.attachments {
-            if *pad > 0 {
-                slices.push(IoSlice::new(&ZEROS[..*pad]));
-            }
-            slices.push(IoSlice::new(data));
-        }
-        slices
-    }
-
     /// Sends what the socket takes now; whether the frame is out.
     fn push(&mut self, stream: &TcpStream) -> Result<bool, ChanError> {
-        let (sent, done) = self.push_from(stream, self.sent);
-        self.sent = sent;
-        done
-    }
-
-    fn push_from(&self, stream: &TcpStream, mut sent: usize) -> (usize, Result<bool, ChanError>) {
-        let mut all = self.slices();
+        // The slices borrow the header and the frame, not the count of what is out.
+        let mut all = Vec::with_capacity(2 + 2 * self.frame.attachments.len());
+        all.push(IoSlice::new(&self.header));
+        all.push(IoSlice::new(&self.frame.head));
+        for (pad, data) in &self.frame.attachments {
+            if *pad > 0 {
+                all.push(IoSlice::new(&ZEROS[..*pad]));
+            }
+            all.push(IoSlice::new(data));
+        }
         let mut slices = &mut all[..];
-        IoSlice::advance_slices(&mut slices, sent);
+        IoSlice::advance_slices(&mut slices, self.sent);
         while !slices.is_empty() {
             // `MSG_NOSIGNAL`: a connection the peer reset is an error here, never a SIGPIPE
             // that kills the process (a worker starts before Rust's runtime would ignore it).
@@ -148,17 +138,17 @@ impl Unsent {
                 &mut rustix::net::SendAncillaryBuffer::default(),
                 rustix::net::SendFlags::NOSIGNAL,
             ) {
-                Ok(0) => return (sent, Err(ChanError::Closed)),
+                Ok(0) => return Err(ChanError::Closed),
                 Ok(n) => {
-                    sent += n;
+                    self.sent += n;
                     IoSlice::advance_slices(&mut slices, n);
                 }
-                Err(rustix::io::Errno::AGAIN) => return (sent, Ok(false)),
+                Err(rustix::io::Errno::AGAIN) => return Ok(false),
                 Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return (sent, Err(io_error(e.into()))),
+                Err(e) => return Err(io_error(e.into())),
             }
         }
-        (sent, Ok(true))
+        Ok(true)
     }
 }
 

@@ -54,7 +54,7 @@ pub(crate) struct AgentContext {
 /// actor's progress.
 #[derive(Clone)]
 pub(crate) struct LogReporter {
-    writer: Arc<Mutex<Option<TcpStream>>>,
+    link: DriverLink,
     /// This host's name, as the driver lists it (lines are prefixed with it).
     pub host_name: String,
     /// The most verbose `tracing` level the driver lets through.
@@ -64,24 +64,29 @@ pub(crate) struct LogReporter {
 impl LogReporter {
     /// Sends lines (`(true, line)`: stderr); false if the driver is gone or the write failed.
     pub(crate) fn lines(&self, lines: Vec<(bool, String)>) -> bool {
-        match self.writer.lock().as_mut() {
-            Some(s) => wire::write_frame(s, &ToDriver::Logs { lines }).is_ok(),
-            None => false,
-        }
+        self.link.tell(&ToDriver::Logs { lines })
     }
 
     /// Sends one encoded `tracing` event of `actor`'s worker.
     pub(crate) fn event(&self, actor: &str, pid: u32, record: Vec<u8>) -> bool {
-        match self.writer.lock().as_mut() {
-            Some(s) => wire::write_frame(
-                s,
-                &ToDriver::Event {
-                    actor: actor.to_string(),
-                    pid,
-                    record,
-                },
-            )
-            .is_ok(),
+        self.link.tell(&ToDriver::Event {
+            actor: actor.to_string(),
+            pid,
+            record,
+        })
+    }
+}
+
+/// The writing side of the agent's connection, shared by everything that tells the driver
+/// something (one writer at a time, so that frames never interleave; `None` once leaving).
+#[derive(Clone)]
+struct DriverLink(Arc<Mutex<Option<TcpStream>>>);
+
+impl DriverLink {
+    /// Sends `msg`; false if the agent is leaving or the write failed.
+    fn tell(&self, msg: &ToDriver) -> bool {
+        match self.0.lock().as_mut() {
+            Some(stream) => wire::write_frame(stream, msg).is_ok(),
             None => false,
         }
     }
@@ -90,13 +95,11 @@ impl LogReporter {
 /// Tells the driver what happened to the actors of this host (given to the services when they
 /// are made): deaths, and schedules that stopped on their own.
 #[derive(Clone)]
-pub(crate) struct DeathReporter(Arc<Mutex<Option<TcpStream>>>);
+pub(crate) struct DeathReporter(DriverLink);
 
 impl DeathReporter {
     fn tell(&self, msg: &ToDriver) {
-        if let Some(stream) = self.0.lock().as_mut() {
-            let _ = wire::write_frame(stream, msg);
-        }
+        self.0.tell(msg);
     }
 
     /// Tells the driver that `actor`'s schedule of `graph` stopped on its own.
@@ -288,11 +291,11 @@ fn run(join: &str, make: MakeServices) -> Result<(), String> {
         stream.try_clone().map_err(|e| e.to_string())?,
     )));
     let services: Arc<dyn AgentServices> = Arc::from(make(AgentContext {
-        deaths: DeathReporter(writer.clone()),
+        deaths: DeathReporter(DriverLink(writer.clone())),
         data: data.clone(),
         driver_ip,
         logs: LogReporter {
-            writer: writer.clone(),
+            link: DriverLink(writer.clone()),
             host_name: name,
             level: log_level,
         },

@@ -40,10 +40,20 @@ struct Host {
     stream: Arc<Mutex<TcpStream>>,
     /// Requests waiting for their reply.
     pending: HashMap<u64, Sender<Reply>>,
-    /// Its clock against the driver's, from the heartbeats.
+    /// Its clock against the driver's, from the heartbeats (what [`HostInfo::clock`] shows).
     clock: super::clock::ClockSync,
     /// The actors started there, told when their worker dies.
     deaths: HashMap<u64, DeathCallback>,
+}
+
+impl Host {
+    /// The host as the runtime lists it, with its clock as estimated now.
+    fn listed(&self) -> HostInfo {
+        HostInfo {
+            clock: self.clock.estimate(),
+            ..self.info.clone()
+        }
+    }
 }
 
 struct State {
@@ -207,12 +217,7 @@ impl ClusterDriver {
 
     /// Every host that joined, in joining order: the lost ones too, marked with when and why.
     pub(crate) fn hosts(&self) -> Vec<HostInfo> {
-        self.state
-            .lock()
-            .hosts
-            .iter()
-            .map(|h| h.info.clone())
-            .collect()
+        self.state.lock().hosts.iter().map(Host::listed).collect()
     }
 
     pub(crate) fn wait_for_hosts(&self, n: usize, timeout: Duration) -> Result<Vec<HostInfo>> {
@@ -223,7 +228,7 @@ impl ClusterDriver {
                 .hosts
                 .iter()
                 .filter(|h| h.info.lost.is_none())
-                .map(|h| h.info.clone())
+                .map(Host::listed)
                 .collect();
             if live.len() >= n {
                 return Ok(live);
@@ -251,7 +256,7 @@ impl ClusterDriver {
             .find(|h| h.info.id == id)
             .map_or_else(
                 || (format!("host {id}"), None),
-                |h| (h.info.name.clone(), h.info.clock),
+                |h| (h.info.name.clone(), h.clock.estimate()),
             )
     }
 
@@ -544,7 +549,6 @@ impl ClusterDriver {
                                     d.state.lock().hosts.iter_mut().find(|h| h.info.id == id)
                             {
                                 h.clock.sample(driver_ns, agent_ns, now);
-                                h.info.clock = h.clock.estimate();
                             }
                         }
                         Ok(ToDriver::Reply { req, result }) => {
@@ -626,6 +630,17 @@ impl Drop for ClusterDriver {
 const MAX_JOINING: usize = 256;
 const MAX_JOINING_PER_ADDRESS: usize = 32;
 
+/// A join from `ip` is over (admitted or refused): it no longer counts against the bounds.
+fn joined_or_refused(joining: &Mutex<HashMap<std::net::IpAddr, usize>>, ip: std::net::IpAddr) {
+    let mut joining = joining.lock();
+    if let Some(n) = joining.get_mut(&ip) {
+        *n -= 1;
+        if *n == 0 {
+            joining.remove(&ip);
+        }
+    }
+}
+
 fn accept_loop(listener: TcpListener, driver: std::sync::Weak<ClusterDriver>) {
     let joining: Arc<Mutex<HashMap<std::net::IpAddr, usize>>> = Arc::default();
     loop {
@@ -659,20 +674,11 @@ fn accept_loop(listener: TcpListener, driver: std::sync::Weak<ClusterDriver>) {
                         if let Err(e) = d.admit(stream, peer) {
                             tracing::warn!(%peer, reason = %e, "join refused");
                         }
-                        let mut counts = counts.lock();
-                        if let Some(n) = counts.get_mut(&peer.ip()) {
-                            *n -= 1;
-                            if *n == 0 {
-                                counts.remove(&peer.ip());
-                            }
-                        }
+                        joined_or_refused(&counts, peer.ip());
                     });
                 if spawned.is_err() {
                     tracing::warn!(%peer, reason = "no thread to check it", "join refused");
-                    let mut joining = joining.lock();
-                    if let Some(n) = joining.get_mut(&peer.ip()) {
-                        *n -= 1;
-                    }
+                    joined_or_refused(&joining, peer.ip());
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {

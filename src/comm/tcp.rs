@@ -33,7 +33,7 @@
 //! operation, or with another dtype or length, than its peer gets [`CommError::Mismatch`].
 use super::{
     CommError, CommId, CommOp, Communicator, CommunicatorFactory, CommunicatorGroup,
-    DEFAULT_TIMEOUT, GroupTicket, ReduceOp, SendCompletion, reduce_bytes,
+    DEFAULT_TIMEOUT, GroupTicket, ReduceOp, reduce_bytes,
 };
 use crate::tensor::{DType, Tensor};
 use hmac::{Hmac, KeyInit, Mac};
@@ -1047,10 +1047,6 @@ impl Communicator for TcpCommunicator {
 
     fn comm_id(&self) -> Option<CommId> {
         Some(self.id)
-    }
-
-    fn send_completion(&self) -> SendCompletion {
-        SendCompletion::Rendezvous
     }
 }
 
