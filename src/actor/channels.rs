@@ -132,7 +132,9 @@ impl GraphChannels {
     /// network channel written here (`addrs`: each host's data port), then takes each
     /// connection that a writing host made to this one from `data` (waiting until
     /// `deadline`), and starts the relay of each channel whose several readers here share a
-    /// ring. Every host connects before it waits, so no order of installs deadlocks.
+    /// ring. Every host connects before it waits, so no order of installs deadlocks. A channel
+    /// that goes back over another's connection (`GraphPlan::shared_connections`) is filed
+    /// with a handle of that connection at both ends instead of connecting.
     pub(crate) fn connect_network(
         &self,
         plan: &GraphPlan,
@@ -141,10 +143,25 @@ impl GraphChannels {
         addrs: &HashMap<u64, SocketAddr>,
         deadline: Instant,
     ) -> Result<()> {
+        let pairs = plan.shared_connections();
+        // The second channel of a pair has no connection of its own: it goes back over the
+        // first's, which both of its ends file for it too.
+        let second_of: HashMap<u64, u64> = pairs.iter().copied().collect();
+        let riding: std::collections::HashSet<u64> = pairs.iter().map(|p| p.1).collect();
         let network = || {
             plan.edges
                 .values()
                 .flat_map(|e| e.network_channels().map(move |c| (e, c)))
+                .filter(|(_, c)| !riding.contains(&c.id))
+        };
+        let keep_with_second = |chan: u64, stream: TcpStream| -> Result<()> {
+            if let Some(second) = second_of.get(&chan) {
+                let back = stream
+                    .try_clone()
+                    .map_err(|e| Error::io("sharing a network connection", e))?;
+                self.keep(*second, back)?;
+            }
+            self.keep(chan, stream)
         };
         for (edge, chan) in network().filter(|(e, _)| plan.host_of(e.writer) == host) {
             let addr = addrs.get(&chan.host).ok_or_else(|| {
@@ -162,7 +179,7 @@ impl GraphChannels {
                     e,
                 )
             })?;
-            self.keep(chan.id, stream)?;
+            keep_with_second(chan.id, stream)?;
         }
         for (edge, chan) in network().filter(|(_, c)| c.host == host) {
             let stream = data.take(plan.graph, chan.id, deadline).map_err(|why| {
@@ -190,7 +207,7 @@ impl GraphChannels {
                     })
                     .map_err(|e| Error::io("starting a relay thread", e))?;
             } else {
-                self.keep(chan.id, stream)?;
+                keep_with_second(chan.id, stream)?;
             }
         }
         Ok(())

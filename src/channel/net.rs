@@ -7,7 +7,9 @@
 //! large copied); a reader receives the whole frame into one buffer and hands large payloads
 //! to the value in place. Several readers on one host get one copy over the network: the
 //! host's [`relay`] writes each frame straight into a shared-memory ring there, which they
-//! read like any other.
+//! read like any other. A channel back from that reader to the writer goes over the same
+//! connection in the other direction (see `GraphPlan::shared_connections`): its messages
+//! carry the ACKs of the way out.
 //!
 //! - **Depth and back-pressure.** The driver admits at most `max_inflight_executions`
 //!   executions, so no edge ever carries more messages than that. A writer never waits for
