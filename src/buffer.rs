@@ -263,3 +263,64 @@ impl<'de> Deserialize<'de> for Buffer {
         frame::deserialize_bytes(deserializer).map(Buffer)
     }
 }
+
+/// Holds the memory of one dropped large value for the next one of its producer: a large
+/// frame received from the network, a communicator's result. Reusing it spares the page
+/// faults (and the zeroing) of fresh memory on every call: a fresh 64 MiB result costs ~16k
+/// faults, a quarter of a TCP allreduce's time on the machines measured.
+#[derive(Clone, Default)]
+pub(crate) struct Recycler(std::sync::Arc<parking_lot::Mutex<Option<Vec<u8>>>>);
+
+impl Recycler {
+    /// Memory of `len` initialized bytes (their values unspecified), if a dropped value left
+    /// enough.
+    pub(crate) fn take(&self, len: usize) -> Option<Vec<u8>> {
+        if len == 0 {
+            return None;
+        }
+        let mut buf = self.0.lock().take().filter(|b| b.len() >= len)?;
+        buf.truncate(len);
+        Some(buf)
+    }
+
+    /// `len` bytes to be overwritten whole: recycled if a dropped value left enough, else
+    /// fresh (zeroed).
+    pub(crate) fn take_or_zeroed(&self, len: usize) -> Vec<u8> {
+        self.take(len).unwrap_or_else(|| vec![0u8; len])
+    }
+
+    /// The bytes as [`Bytes`] that give their memory back here once dropped.
+    pub(crate) fn wrap(&self, bytes: Vec<u8>) -> Bytes {
+        Bytes::from_owner(Recycled {
+            bytes,
+            home: std::sync::Arc::downgrade(&self.0),
+        })
+    }
+}
+
+/// Memory that returns to its [`Recycler`] when dropped (the larger of two is kept).
+struct Recycled {
+    bytes: Vec<u8>,
+    home: std::sync::Weak<parking_lot::Mutex<Option<Vec<u8>>>>,
+}
+
+impl AsRef<[u8]> for Recycled {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl Drop for Recycled {
+    fn drop(&mut self) {
+        if let Some(home) = self.home.upgrade() {
+            // Back to its whole length (a smaller value was cut from it; the tail was written
+            // before, so only it is rewritten), so that the next value of the full size fits.
+            let whole = self.bytes.capacity();
+            self.bytes.resize(whole, 0);
+            let mut slot = home.lock();
+            if slot.as_ref().is_none_or(|b| b.len() < whole) {
+                *slot = Some(std::mem::take(&mut self.bytes));
+            }
+        }
+    }
+}

@@ -28,6 +28,7 @@ use super::shm::ShmWriter;
 use super::shm::{TAG_ERROR, TAG_VALUE};
 use super::wait::SpinPolicy;
 use super::{ChanError, ChannelReader, ChannelWriter, EndCounters, Msg, bump};
+use crate::buffer::Recycler;
 use crate::error::TaskError;
 use crate::value::frame;
 use bytes::Bytes;
@@ -521,50 +522,6 @@ enum Large {
         buf: Vec<u8>,
         filled: usize,
     },
-}
-
-/// Holds the memory of one dropped large frame for the next (see [`FrameReader`]).
-#[derive(Clone, Default)]
-pub(crate) struct Recycler(Arc<parking_lot::Mutex<Option<Vec<u8>>>>);
-
-impl Recycler {
-    /// Memory of `len` initialized bytes, if a dropped frame left enough.
-    fn take(&self, len: usize) -> Option<Vec<u8>> {
-        let mut buf = self.0.lock().take().filter(|b| b.len() >= len)?;
-        buf.truncate(len);
-        Some(buf)
-    }
-
-    /// The frame's bytes as [`Bytes`] that give their memory back here once dropped.
-    pub(crate) fn wrap(&self, frame: Vec<u8>) -> Bytes {
-        Bytes::from_owner(Recycled {
-            frame,
-            home: Arc::downgrade(&self.0),
-        })
-    }
-}
-
-/// A large frame's memory that returns to its reader's [`Recycler`] when dropped.
-struct Recycled {
-    frame: Vec<u8>,
-    home: std::sync::Weak<parking_lot::Mutex<Option<Vec<u8>>>>,
-}
-
-impl AsRef<[u8]> for Recycled {
-    fn as_ref(&self) -> &[u8] {
-        &self.frame
-    }
-}
-
-impl Drop for Recycled {
-    fn drop(&mut self) {
-        if let Some(home) = self.home.upgrade() {
-            let mut slot = home.lock();
-            if slot.as_ref().is_none_or(|b| b.len() < self.frame.len()) {
-                *slot = Some(std::mem::take(&mut self.frame));
-            }
-        }
-    }
 }
 
 /// What one step of a [`FrameReader`] achieved.

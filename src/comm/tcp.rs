@@ -35,6 +35,7 @@ use super::{
     CommError, CommId, CommOp, Communicator, CommunicatorFactory, CommunicatorGroup,
     DEFAULT_TIMEOUT, GroupTicket, ReduceOp, reduce_bytes,
 };
+use crate::buffer::Recycler;
 use crate::tensor::{DType, Tensor};
 use hmac::{Hmac, KeyInit, Mac};
 use serde::{Deserialize, Serialize};
@@ -364,6 +365,9 @@ pub struct TcpCommunicator {
     destroyed: Arc<AtomicBool>,
     /// What peers send in a reduction, by peer: kept from call to call.
     scratch: Mutex<Vec<Vec<u8>>>,
+    /// The memory of the last result the caller dropped, for the next result (allreduce,
+    /// allgather): written whole by every call, so it need not be fresh.
+    results: Recycler,
     /// Filled by the forming thread: the mesh, or why it could not form.
     formed: Arc<Forming>,
 }
@@ -403,6 +407,7 @@ impl TcpCommunicator {
             timeout: Duration::from_millis(p.timeout_ms),
             destroyed: Arc::new(AtomicBool::new(false)),
             scratch: Mutex::new(Vec::new()),
+            results: Recycler::default(),
             formed: formed.clone(),
         };
         let world = ticket.world_size;
@@ -914,11 +919,13 @@ impl TcpCommunicator {
         shape: Vec<usize>,
         data: Vec<u8>,
     ) -> Result<Tensor, CommError> {
-        Tensor::from_bytes(dtype, shape, data.into()).map_err(|source| CommError::Tensor {
-            group: self.group.clone(),
-            rank: self.rank,
-            op,
-            source,
+        Tensor::from_bytes(dtype, shape, self.results.wrap(data)).map_err(|source| {
+            CommError::Tensor {
+                group: self.group.clone(),
+                rank: self.rank,
+                op,
+                source,
+            }
         })
     }
 }
@@ -949,7 +956,8 @@ impl Communicator for TcpCommunicator {
         let op = CommOp::Recv;
         self.check_peer(peer, op)?;
         let len = shape.iter().product::<usize>() * dtype.size();
-        let mut data = vec![0u8; len];
+        // Written whole by the receive.
+        let mut data = self.results.take_or_zeroed(len);
         self.with_mesh(op, |mesh| {
             let sends = (0..self.world).map(|_| None).collect();
             let mut recvs: Vec<Option<([u8; HEADER], &mut [u8])>> =
@@ -966,7 +974,9 @@ impl Communicator for TcpCommunicator {
         let dtype = tensor.dtype();
         let split = parts(tensor.numel(), self.world);
         let lens: Vec<usize> = split.iter().map(|r| r.len() * dtype.size()).collect();
-        let mut data = vec![0u8; bytes.len()];
+        // Every byte is written below: this rank's part by the reduction, the others by
+        // the gather.
+        let mut data = self.results.take_or_zeroed(bytes.len());
         self.with_mesh(op, |mesh| {
             // Reduced straight into this rank's part of the result, which is then sent from
             // there while the other parts are received into theirs.
@@ -981,7 +991,8 @@ impl Communicator for TcpCommunicator {
     fn allgather(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
         let op = CommOp::AllGather;
         let bytes = self.bytes(tensor, op)?;
-        let mut data = vec![0u8; bytes.len() * self.world];
+        // Every byte is written: this rank's part here, the others by the gather.
+        let mut data = self.results.take_or_zeroed(bytes.len() * self.world);
         data[self.rank * bytes.len()..(self.rank + 1) * bytes.len()].copy_from_slice(bytes);
         self.with_mesh(op, |mesh| {
             self.gather(
@@ -1015,7 +1026,10 @@ impl Communicator for TcpCommunicator {
         }
         let bytes = self.bytes(tensor, op)?;
         let split = parts(tensor.numel(), self.world);
-        let mut data = vec![0u8; split[self.rank].len() * tensor.dtype().size()];
+        // Written whole by the reduction.
+        let mut data = self
+            .results
+            .take_or_zeroed(split[self.rank].len() * tensor.dtype().size());
         self.with_mesh(op, |mesh| {
             self.scatter_reduce(mesh, op, reduce, tensor.dtype(), bytes, &split, &mut data)
         })?;
@@ -1115,6 +1129,57 @@ mod tests {
             .unwrap()
         });
         assert!(avg.iter().all(|t| t.as_slice::<i32>().unwrap() == [4; 5]));
+    }
+
+    /// A result the caller dropped lends its memory to the next one (no fresh pages per
+    /// call), and every byte of it is written again: results of calls with other values, of
+    /// other collectives and of receives stay exact.
+    #[test]
+    fn dropped_results_lend_their_memory_to_the_next_and_are_overwritten_whole() {
+        let (_g, comms) = ranks(3, "tcp-recycle");
+        let n = 1 << 20;
+        let input = |r: usize, call: usize| {
+            Tensor::from(
+                (0..n)
+                    .map(|i| ((i + call) % 31) as f32 * (r as f32 + 1.0) + call as f32)
+                    .collect::<Vec<f32>>(),
+            )
+        };
+        let mut places: Vec<Vec<usize>> = vec![Vec::new(); 3];
+        for call in 0..4 {
+            let all: Vec<Tensor> = (0..3).map(|r| input(r, call)).collect();
+            let want = crate::comm::reduce_tensors(&all, ReduceOp::Sum).unwrap();
+            let got = on_each(&comms, |c| {
+                let t = c.allreduce(&input(c.rank(), call), ReduceOp::Sum).unwrap();
+                let at = t.as_slice::<f32>().unwrap().as_ptr() as usize;
+                (t, at)
+            });
+            for (r, (t, at)) in got.into_iter().enumerate() {
+                assert_eq!(t, want, "call {call}, rank {r}");
+                places[r].push(at);
+            }
+            // Between allreduces, other collectives take and give back the same memory.
+            let gathered = on_each(&comms, |c| {
+                c.allgather(&Tensor::from(vec![c.rank() as f32 + call as f32; n / 3]))
+                    .unwrap()
+            });
+            for t in &gathered {
+                let v = t.as_slice::<f32>().unwrap();
+                for r in 0..3 {
+                    assert!(
+                        v[r * (n / 3)..(r + 1) * (n / 3)]
+                            .iter()
+                            .all(|x| *x == r as f32 + call as f32)
+                    );
+                }
+            }
+        }
+        for (r, at) in places.iter().enumerate() {
+            assert!(
+                at[1..].iter().all(|a| *a == at[1]),
+                "rank {r}: results after the first should reuse one memory: {at:x?}"
+            );
+        }
     }
 
     #[test]
