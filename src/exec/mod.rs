@@ -727,7 +727,11 @@ impl<I: Value> GraphShared<I> {
     }
 
     fn all_dropped(&self, exec: u64) -> bool {
-        let r = self.results.lock();
+        self.dropped_whole(&self.results.lock(), exec)
+    }
+
+    /// Whether every ref of `exec` was dropped (`r`: the results, locked).
+    fn dropped_whole(&self, r: &ResultState, exec: u64) -> bool {
         !r.dropped.is_empty()
             && (0..self.output_labels.len()).all(|o| r.dropped.contains(&(exec, o)))
     }
@@ -758,12 +762,19 @@ impl<I: Value> GraphShared<I> {
         }
     }
 
-    /// Async mode: whether the pump frees a place by itself (without anybody claiming a
-    /// result): the oldest execution in flight is a failed one's leftovers, or one whose refs
-    /// were all dropped.
-    fn pump_frees_room(&self) -> bool {
+    /// Async mode: whether a place is free, or the pump frees one by itself (without anybody
+    /// claiming a result): the oldest execution in flight is a failed one's leftovers, or one
+    /// whose refs were all dropped. One look under the results lock, where the pump files
+    /// each execution (its `next_read` and `drained` move there together, and its dropped
+    /// refs are forgotten): separate looks could each miss what the pump did between them
+    /// and refuse a submission that had room (seen under load: 3 runs in 25).
+    fn room_or_pump_frees_it(&self) -> bool {
+        let r = self.results.lock();
+        if self.has_room() {
+            return true;
+        }
         let next = self.next_read.load(Ordering::Acquire);
-        self.drained.load(Ordering::Acquire) < next || self.all_dropped(next)
+        self.drained.load(Ordering::Acquire) < next || self.dropped_whole(&r, next)
     }
 
     /// Wakes the `execute_async` calls waiting for a place, to look again.
@@ -1242,7 +1253,7 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
                 Err(Error::CapacityExceeded {
                     capacity: Capacity::InflightExecutions,
                     limit,
-                }) if self.shared.has_room() || self.shared.pump_frees_room() => {
+                }) if self.shared.room_or_pump_frees_it() => {
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         return Err(self.shared.submit_timed_out(limit));
                     }
@@ -1396,7 +1407,10 @@ impl<I: Value> std::future::Future for RoomWait<'_, I> {
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let s = self.shared;
         let free = || s.has_room() || s.torn.load(Ordering::Acquire);
-        if free() || self.deadline.is_some_and(|d| Instant::now() >= d) || !s.pump_frees_room() {
+        if free()
+            || self.deadline.is_some_and(|d| Instant::now() >= d)
+            || !s.room_or_pump_frees_it()
+        {
             return Poll::Ready(());
         }
         s.results.lock().room_wakers.push(cx.waker().clone());
