@@ -4,8 +4,10 @@
 //! must order every receive to meet its send. `#[ignore]`d: run by `scripts/gpu/run.sh` on a
 //! GPU machine with NCCL. With one GPU both stages share device 0, which NCCL may refuse
 //! ("duplicate GPU"): the test then says so and passes without running the pipeline.
+use adag::cluster::{ClusterOptions, LocalHosts};
 use adag::tensor::{Device, Tensor};
 use adag::{CompileOptions, Dag, MultiOutput, Placement, Runtime, SpawnOptions, Transport};
+use std::time::Duration;
 
 /// A stage on a CUDA device: forward `t * (rank + 2) + 1`, backward `g * (rank + 2)`.
 pub struct GpuStage {
@@ -33,6 +35,8 @@ impl GpuStage {
 #[adag::actor]
 impl GpuStage {
     pub fn new(rank: u32, device: u32) -> Self {
+        // In a worker process (an actor on another host) the NCCL factory is registered here.
+        adag_cuda::register();
         GpuStage { rank, device }
     }
     pub fn first(&mut self, x: u64, mb: u64) -> Tensor {
@@ -143,6 +147,74 @@ fn gpu_nccl_1f1b_pipeline() {
             Err(e) => panic!("{e}"),
         };
         let want: Vec<f64> = (0..mbs).map(|mb| reference(x, mb)).collect();
+        assert_eq!(got, want, "input {x}");
+    }
+    g.teardown().unwrap();
+}
+
+/// An NCCL tensor edge between actors on two hosts (separate process trees joined over
+/// loopback): the group's NCCL unique id reaches the remote rank through the driver, with its
+/// host's part of the graph, and the two ranks form one communicator. With one GPU both ranks
+/// are on device 0, which NCCL refuses only after its ranks met through that unique id
+/// ("Duplicate GPU"): the test then says so and passes, that refusal being the evidence that
+/// the remote rank joined.
+#[test]
+#[ignore = "needs GPUs and NCCL: run scripts/gpu/run.sh"]
+fn gpu_nccl_across_hosts() {
+    adag_cuda::check_cuda().expect("this test needs CUDA");
+    adag_cuda::check_nccl().expect("this test needs NCCL");
+    adag_cuda::register();
+    let gpus = adag_cuda::device_count().unwrap() as u32;
+    let rt = Runtime::new().unwrap();
+    let secret = "gpu-nccl-across-hosts";
+    let addr = rt.listen(ClusterOptions::new(secret)).unwrap();
+    let _hosts = LocalHosts::start(2, addr, secret).unwrap();
+    let mut hosts = rt.wait_for_hosts(2, Duration::from_secs(60)).unwrap();
+    hosts.sort_by(|a, b| a.name.cmp(&b.name));
+    let st: Vec<_> = (0..2u32)
+        .map(|r| {
+            let dev = r % gpus;
+            rt.spawn_with::<GpuStage>(
+                Placement::Host(hosts[r as usize].id),
+                SpawnOptions::default()
+                    .name(format!("host{r}"))
+                    .device(Device::Cuda(dev)),
+                (r, dev),
+            )
+            .unwrap()
+        })
+        .collect();
+    let dag = Dag::<u64>::new();
+    let x = dag.input();
+    let t = st[0]
+        .first(&x, 0)
+        .with_tensor_transport(Transport::communicator());
+    let out = st[1].done(&t, 0);
+    let skip = |e: &dyn std::fmt::Display| {
+        let e = e.to_string();
+        assert!(
+            gpus < 2 && e.to_lowercase().contains("duplicate gpu"),
+            "the NCCL group across hosts failed otherwise than by NCCL's duplicate-GPU check: {e}"
+        );
+        eprintln!(
+            "SKIPPED: one GPU; the ranks on two hosts met through the unique id and NCCL refused to share device 0: {e}"
+        );
+    };
+    let g = match dag.compile(out, CompileOptions::default()) {
+        Ok(g) => g,
+        Err(e) => return skip(&e),
+    };
+    let infos = g.communicators();
+    assert!(infos.iter().all(|c| c.transport == "nccl"), "{infos:?}");
+    for x in 0..3u64 {
+        let got = match g.execute(x).and_then(|r| r.get()) {
+            Ok(v) => v,
+            Err(e) => return skip(&e),
+        };
+        let want: f64 = (0..4)
+            .map(|i| ((x + i) as f32 * 2.0 + 1.0) * 3.0)
+            .map(f64::from)
+            .sum();
         assert_eq!(got, want, "input {x}");
     }
     g.teardown().unwrap();

@@ -22,6 +22,9 @@
 #      NCCL communicator (cuda/tests/gpu_pipeline.rs, gpu_nccl_1f1b_pipeline): the compiler must
 #      order every receive to meet its send, as NCCL sends are rendezvous; reported on its own
 #      line (NOT RUN without a GPU or NCCL; SKIPPED with one GPU if NCCL refuses two ranks on it);
+#   4b. runs an NCCL tensor edge between actors on two hosts (cuda/tests/gpu_pipeline.rs,
+#      gpu_nccl_across_hosts): the unique id reaches the remote rank through the driver
+#      (SKIPPED with one GPU once NCCL, its ranks met, refuses to share the device);
 #   5. runs the bench (cuda/src/bin/nccl-bench.rs): copies, then allreduce and send/recv with
 #      two ranks (two GPUs, or two ranks on one GPU if NCCL allows it), and one-rank NCCL.
 # Every step has a timeout; the whole script stays under about 8 minutes. Logs and a summary
@@ -199,6 +202,27 @@ if [ "$RUN_TESTS" = 1 ]; then
             result "1F1B on NCCL" "SKIPPED: $(grep -m1 SKIPPED "$LOG_DIR/1f1b.log")"
         else
             result "1F1B on NCCL" "ok"
+        fi
+    fi
+fi
+
+if [ "$RUN_TESTS" = 1 ]; then
+    section "5c. an NCCL tensor edge between two hosts (LocalHosts on loopback)"
+    if [ "$GPU_SEEN" = 0 ] || [ "$NCCL_FOUND" = 0 ]; then
+        result "NCCL across hosts" "NOT RUN (needs a GPU and NCCL)"
+    else
+        if [ -n "$PREBUILT" ]; then
+            timeout 180 "$PREBUILT/test-gpu_pipeline" --include-ignored --test-threads=1 --nocapture gpu_nccl_across_hosts 2>&1 | tee "$LOG_DIR/hosts.log"
+        else
+            timeout 180 cargo test "${CARGO_FEATURES[@]}" --test gpu_pipeline -- --include-ignored --test-threads=1 --nocapture gpu_nccl_across_hosts 2>&1 | tee "$LOG_DIR/hosts.log"
+        fi
+        STATUS=${PIPESTATUS[0]}
+        if [ "$STATUS" != 0 ]; then
+            result "NCCL across hosts" "FAIL (status $STATUS; log $LOG_DIR/hosts.log)"
+        elif grep -q SKIPPED "$LOG_DIR/hosts.log"; then
+            result "NCCL across hosts" "SKIPPED: $(grep -m1 SKIPPED "$LOG_DIR/hosts.log")"
+        else
+            result "NCCL across hosts" "ok"
         fi
     fi
 fi
