@@ -66,27 +66,43 @@ fn reference(x: u64, mb: u64) -> f64 {
     t.iter().map(|v| ((v - 1.0) * 2.0) as f64).sum()
 }
 
-#[test]
-#[ignore = "needs GPUs and NCCL: run scripts/gpu/run.sh"]
-fn gpu_nccl_1f1b_pipeline() {
+/// How many GPUs there are, once CUDA and NCCL are checked and NCCL's factory registered.
+fn gpus_with_nccl() -> u32 {
     adag_cuda::check_cuda().expect("this test needs CUDA");
     adag_cuda::check_nccl().expect("this test needs NCCL");
     adag_cuda::register();
-    let gpus = adag_cuda::device_count().unwrap() as u32;
-    let rt = Runtime::new().unwrap();
-    let st: Vec<_> = (0..2u32)
+    adag_cuda::device_count().unwrap() as u32
+}
+
+/// Stages 0 and 1, named `{prefix}0` and `{prefix}1`, on devices 0 and 1 (both on 0 with one
+/// GPU), placed by `place(rank)`.
+fn two_stages(
+    rt: &Runtime,
+    gpus: u32,
+    prefix: &str,
+    place: impl Fn(usize) -> Placement,
+) -> Vec<adag::ActorHandle<GpuStage>> {
+    (0..2u32)
         .map(|r| {
             let dev = r % gpus;
             rt.spawn_with::<GpuStage>(
-                Placement::Thread,
+                place(r as usize),
                 SpawnOptions::default()
-                    .name(format!("st{r}"))
+                    .name(format!("{prefix}{r}"))
                     .device(Device::Cuda(dev)),
                 (r, dev),
             )
             .unwrap()
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+#[ignore = "needs GPUs and NCCL: run scripts/gpu/run.sh"]
+fn gpu_nccl_1f1b_pipeline() {
+    let gpus = gpus_with_nccl();
+    let rt = Runtime::new().unwrap();
+    let st = two_stages(&rt, gpus, "st", |_| Placement::Thread);
     let dag = Dag::<u64>::new();
     let x = dag.input();
     let comm = Transport::communicator;
@@ -161,29 +177,14 @@ fn gpu_nccl_1f1b_pipeline() {
 #[test]
 #[ignore = "needs GPUs and NCCL: run scripts/gpu/run.sh"]
 fn gpu_nccl_across_hosts() {
-    adag_cuda::check_cuda().expect("this test needs CUDA");
-    adag_cuda::check_nccl().expect("this test needs NCCL");
-    adag_cuda::register();
-    let gpus = adag_cuda::device_count().unwrap() as u32;
+    let gpus = gpus_with_nccl();
     let rt = Runtime::new().unwrap();
     let secret = "gpu-nccl-across-hosts";
     let addr = rt.listen(ClusterOptions::new(secret)).unwrap();
     let _hosts = LocalHosts::start(2, addr, secret).unwrap();
     let mut hosts = rt.wait_for_hosts(2, Duration::from_secs(60)).unwrap();
     hosts.sort_by(|a, b| a.name.cmp(&b.name));
-    let st: Vec<_> = (0..2u32)
-        .map(|r| {
-            let dev = r % gpus;
-            rt.spawn_with::<GpuStage>(
-                Placement::Host(hosts[r as usize].id),
-                SpawnOptions::default()
-                    .name(format!("host{r}"))
-                    .device(Device::Cuda(dev)),
-                (r, dev),
-            )
-            .unwrap()
-        })
-        .collect();
+    let st = two_stages(&rt, gpus, "host", |r| Placement::Host(hosts[r].id));
     let dag = Dag::<u64>::new();
     let x = dag.input();
     let t = st[0]

@@ -185,46 +185,34 @@ fi
 
 GPU_SEEN=0
 if command -v nvidia-smi >/dev/null 2>&1 && timeout 30 nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then GPU_SEEN=1; fi
-if [ "$RUN_TESTS" = 1 ]; then
-    section "5b. 1F1B pipeline on the NCCL communicator"
+# One #[ignore]d test of cuda/tests/gpu_pipeline.rs, reported on its own line:
+#   pipeline_test TITLE TEST LOG
+pipeline_test() {
+    local title="$1" test="$2" log="$LOG_DIR/$3" status
     if [ "$GPU_SEEN" = 0 ] || [ "$NCCL_FOUND" = 0 ]; then
-        result "1F1B on NCCL" "NOT RUN (needs a GPU and NCCL)"
-    else
-        if [ -n "$PREBUILT" ]; then
-            timeout 180 "$PREBUILT/test-gpu_pipeline" --include-ignored --test-threads=1 --nocapture gpu_nccl_1f1b_pipeline 2>&1 | tee "$LOG_DIR/1f1b.log"
-        else
-            timeout 180 cargo test "${CARGO_FEATURES[@]}" --test gpu_pipeline -- --include-ignored --test-threads=1 --nocapture gpu_nccl_1f1b_pipeline 2>&1 | tee "$LOG_DIR/1f1b.log"
-        fi
-        STATUS=${PIPESTATUS[0]}
-        if [ "$STATUS" != 0 ]; then
-            result "1F1B on NCCL" "FAIL (status $STATUS; log $LOG_DIR/1f1b.log)"
-        elif grep -q SKIPPED "$LOG_DIR/1f1b.log"; then
-            result "1F1B on NCCL" "SKIPPED: $(grep -m1 SKIPPED "$LOG_DIR/1f1b.log")"
-        else
-            result "1F1B on NCCL" "ok"
-        fi
+        result "$title" "NOT RUN (needs a GPU and NCCL)"
+        return
     fi
-fi
+    if [ -n "$PREBUILT" ]; then
+        timeout 180 "$PREBUILT/test-gpu_pipeline" --include-ignored --test-threads=1 --nocapture "$test" 2>&1 | tee "$log"
+    else
+        timeout 180 cargo test "${CARGO_FEATURES[@]}" --test gpu_pipeline -- --include-ignored --test-threads=1 --nocapture "$test" 2>&1 | tee "$log"
+    fi
+    status=${PIPESTATUS[0]}
+    if [ "$status" != 0 ]; then
+        result "$title" "FAIL (status $status; log $log)"
+    elif grep -q SKIPPED "$log"; then
+        result "$title" "SKIPPED: $(grep -m1 SKIPPED "$log")"
+    else
+        result "$title" "ok"
+    fi
+}
 
 if [ "$RUN_TESTS" = 1 ]; then
+    section "5b. 1F1B pipeline on the NCCL communicator"
+    pipeline_test "1F1B on NCCL" gpu_nccl_1f1b_pipeline 1f1b.log
     section "5c. an NCCL tensor edge between two hosts (LocalHosts on loopback)"
-    if [ "$GPU_SEEN" = 0 ] || [ "$NCCL_FOUND" = 0 ]; then
-        result "NCCL across hosts" "NOT RUN (needs a GPU and NCCL)"
-    else
-        if [ -n "$PREBUILT" ]; then
-            timeout 180 "$PREBUILT/test-gpu_pipeline" --include-ignored --test-threads=1 --nocapture gpu_nccl_across_hosts 2>&1 | tee "$LOG_DIR/hosts.log"
-        else
-            timeout 180 cargo test "${CARGO_FEATURES[@]}" --test gpu_pipeline -- --include-ignored --test-threads=1 --nocapture gpu_nccl_across_hosts 2>&1 | tee "$LOG_DIR/hosts.log"
-        fi
-        STATUS=${PIPESTATUS[0]}
-        if [ "$STATUS" != 0 ]; then
-            result "NCCL across hosts" "FAIL (status $STATUS; log $LOG_DIR/hosts.log)"
-        elif grep -q SKIPPED "$LOG_DIR/hosts.log"; then
-            result "NCCL across hosts" "SKIPPED: $(grep -m1 SKIPPED "$LOG_DIR/hosts.log")"
-        else
-            result "NCCL across hosts" "ok"
-        fi
-    fi
+    pipeline_test "NCCL across hosts" gpu_nccl_across_hosts hosts.log
 fi
 
 if [ "$RUN_BENCH" = 1 ]; then
