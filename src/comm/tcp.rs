@@ -491,6 +491,87 @@ impl TcpCommunicator {
         })
     }
 
+    /// A rank that cannot take part in a call (its tensor is unusable) still goes through the
+    /// call's first round, so that its peers fail at once naming it ([`CommError::PeerFailed`])
+    /// rather than wait out the group's timeout, and every connection stays in step for the
+    /// next call: to each peer `q` it sends a failure notice of `send_lens[q]` bytes (what `q`
+    /// expects of it; the reason first, cut to fit) and it takes the `recv_lens[q]` bytes `q`
+    /// sends it (a `kind` message). Every rank receives from every other in that round, so all
+    /// learn of the failure there and none starts a second one. Returns `error`, its own.
+    #[allow(clippy::too_many_arguments)]
+    fn fail_round(
+        &self,
+        op: CommOp,
+        dtype: DType,
+        kind: u32,
+        point_to_point: bool,
+        send_lens: &[Option<usize>],
+        recv_lens: &[Option<usize>],
+        error: CommError,
+    ) -> CommError {
+        let reason = error.to_string();
+        let notices: Vec<Option<Vec<u8>>> = send_lens
+            .iter()
+            .map(|len| {
+                len.map(|len| {
+                    let mut notice = vec![0u8; len];
+                    let n = reason.len().min(len);
+                    notice[..n].copy_from_slice(&reason.as_bytes()[..n]);
+                    notice
+                })
+            })
+            .collect();
+        let mut taken: Vec<Option<Vec<u8>>> = recv_lens
+            .iter()
+            .map(|len| len.map(|len| vec![0u8; len]))
+            .collect();
+        // Whatever this round meets (a peer gone, another failed rank), the call fails with
+        // this rank's own error.
+        let _ = self.with_mesh(op, |mesh| {
+            let conns = if point_to_point {
+                &mesh.p2p
+            } else {
+                &mesh.coll
+            };
+            let sends = notices
+                .iter()
+                .map(|n| {
+                    n.as_ref()
+                        .map(|n| (header(OP_FAILED, dtype, n.len()), n.as_slice()))
+                })
+                .collect();
+            let recvs = taken
+                .iter_mut()
+                .map(|t| {
+                    t.as_mut()
+                        .map(|t| (header(kind, dtype, t.len()), t.as_mut_slice()))
+                })
+                .collect();
+            self.round(conns, &mesh.root, op, sends, recvs)
+        });
+        error
+    }
+
+    /// [`fail_round`](Self::fail_round) for a call whose first round is the scatter of a
+    /// reduction (allreduce, reducescatter) over parts `split`.
+    fn fail_scatter(
+        &self,
+        op: CommOp,
+        dtype: DType,
+        split: &[std::ops::Range<usize>],
+        error: CommError,
+    ) -> CommError {
+        let es = dtype.size();
+        let mine = split[self.rank].len() * es;
+        let (sends, recvs): (Vec<_>, Vec<_>) = (0..self.world)
+            .map(|q| {
+                let peer = q != self.rank;
+                (peer.then_some(split[q].len() * es), peer.then_some(mine))
+            })
+            .unzip();
+        self.fail_round(op, dtype, OP_SCATTER, false, &sends, &recvs, error)
+    }
+
     /// Runs one round of transfers: to each peer `sends[q]` (a header, then a payload), from
     /// each `recvs[q]` (a header, then into the buffer); all at once, until done, the
     /// deadline, a peer's error or the group's destruction.
@@ -508,6 +589,9 @@ impl TcpCommunicator {
         let mut sent: Vec<usize> = vec![0; conns.len()];
         let mut got: Vec<usize> = vec![0; conns.len()];
         let mut their_head: Vec<[u8; HEADER]> = vec![[0; HEADER]; conns.len()];
+        // Peers that sent a failure notice in place of their part: the round still takes
+        // its bytes (the connection stays in step), then fails naming the first of them.
+        let mut failed: Vec<bool> = vec![false; conns.len()];
         fn send_left(sends: &[Option<([u8; HEADER], &[u8])>], sent: &[usize], q: usize) -> bool {
             sends[q]
                 .as_ref()
@@ -523,7 +607,25 @@ impl TcpCommunicator {
                 .filter(|&q| send_left(&sends, &sent, q) || recv_left(&recvs, &got, q))
                 .collect();
             if waiting.is_empty() {
-                return Ok(());
+                return match failed.iter().position(|f| *f) {
+                    None => Ok(()),
+                    Some(q) => {
+                        let body = recvs[q].as_ref().map_or(&[][..], |(_, b)| &b[..]);
+                        let text = &body[..body.iter().position(|b| *b == 0).unwrap_or(body.len())];
+                        let reason = if text.is_empty() {
+                            "its part of the call was unusable (the reason did not fit in a message of this size)".to_string()
+                        } else {
+                            String::from_utf8_lossy(text).into_owned()
+                        };
+                        Err(CommError::PeerFailed {
+                            group: self.group.clone(),
+                            rank: self.rank,
+                            op,
+                            peer: q,
+                            reason,
+                        })
+                    }
+                };
             }
             if self.destroyed.load(Ordering::Acquire) {
                 return Err(self.destroyed_err(op));
@@ -616,7 +718,12 @@ impl TcpCommunicator {
                         Ok(n) => {
                             let before = got[q];
                             got[q] += n;
-                            if before < HEADER && got[q] >= HEADER && their_head[q] != *want {
+                            let notice = their_head[q][..4] == OP_FAILED.to_le_bytes()
+                                && their_head[q][4..] == want[4..];
+                            if before < HEADER && got[q] >= HEADER && notice {
+                                failed[q] = true;
+                            } else if before < HEADER && got[q] >= HEADER && their_head[q] != *want
+                            {
                                 return Err(CommError::Mismatch {
                                     group: self.group.clone(),
                                     rank: self.rank,
@@ -655,6 +762,7 @@ fn describe(h: &[u8; HEADER]) -> String {
         1 => "send",
         2 => "reducescatter",
         3 => "allgather",
+        4 => "a failed rank's notice",
         _ => "another operation",
     };
     format!(
@@ -667,6 +775,9 @@ fn describe(h: &[u8; HEADER]) -> String {
 const OP_P2P: u32 = 1;
 const OP_SCATTER: u32 = 2;
 const OP_GATHER: u32 = 3;
+/// Sent in place of a rank's part by a rank that cannot take part in the call (see
+/// `TcpCommunicator::fail_round`): as many bytes as the peer expects, the reason first.
+const OP_FAILED: u32 = 4;
 
 /// Registers with the root, gets the table, and opens the mesh (two connections a pair).
 fn form(p: &Payload, rank: usize, world: usize, group: &str) -> Result<Mesh, CommError> {
@@ -942,7 +1053,17 @@ impl Communicator for TcpCommunicator {
     fn send(&self, tensor: &Tensor, peer: usize) -> Result<(), CommError> {
         let op = CommOp::Send;
         self.check_peer(peer, op)?;
-        let bytes = self.bytes(tensor, op)?;
+        let bytes = match self.bytes(tensor, op) {
+            Ok(b) => b,
+            Err(e) => {
+                let len = tensor.numel() * tensor.dtype().size();
+                let sends: Vec<Option<usize>> = (0..self.world)
+                    .map(|q| (q == peer).then_some(len))
+                    .collect();
+                let recvs = vec![None; self.world];
+                return Err(self.fail_round(op, tensor.dtype(), OP_P2P, true, &sends, &recvs, e));
+            }
+        };
         self.with_mesh(op, |mesh| {
             let mut sends: Vec<Option<([u8; HEADER], &[u8])>> =
                 (0..self.world).map(|_| None).collect();
@@ -970,9 +1091,11 @@ impl Communicator for TcpCommunicator {
 
     fn allreduce(&self, tensor: &Tensor, reduce: ReduceOp) -> Result<Tensor, CommError> {
         let op = CommOp::AllReduce(reduce);
-        let bytes = self.bytes(tensor, op)?;
         let dtype = tensor.dtype();
         let split = parts(tensor.numel(), self.world);
+        let bytes = self
+            .bytes(tensor, op)
+            .map_err(|e| self.fail_scatter(op, dtype, &split, e))?;
         let lens: Vec<usize> = split.iter().map(|r| r.len() * dtype.size()).collect();
         // Every byte is written below: this rank's part by the reduction, the others by
         // the gather.
@@ -990,7 +1113,13 @@ impl Communicator for TcpCommunicator {
 
     fn allgather(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
         let op = CommOp::AllGather;
-        let bytes = self.bytes(tensor, op)?;
+        let bytes = self.bytes(tensor, op).map_err(|e| {
+            let len = tensor.numel() * tensor.dtype().size();
+            let each: Vec<Option<usize>> = (0..self.world)
+                .map(|q| (q != self.rank).then_some(len))
+                .collect();
+            self.fail_round(op, tensor.dtype(), OP_GATHER, false, &each, &each, e)
+        })?;
         // Every byte is written: this rank's part here, the others by the gather.
         let mut data = self.results.take_or_zeroed(bytes.len() * self.world);
         data[self.rank * bytes.len()..(self.rank + 1) * bytes.len()].copy_from_slice(bytes);
@@ -1024,8 +1153,10 @@ impl Communicator for TcpCommunicator {
                 world_size: self.world,
             });
         }
-        let bytes = self.bytes(tensor, op)?;
         let split = parts(tensor.numel(), self.world);
+        let bytes = self
+            .bytes(tensor, op)
+            .map_err(|e| self.fail_scatter(op, tensor.dtype(), &split, e))?;
         // Written whole by the reduction.
         let mut data = self
             .results
@@ -1180,6 +1311,97 @@ mod tests {
                 "rank {r}: results after the first should reuse one memory: {at:x?}"
             );
         }
+    }
+
+    /// A rank whose tensor is unusable fails its own call, and its peers fail theirs at once
+    /// naming it (not a timeout after the group's 20 s); the connections stay in step, so
+    /// the next calls of the group work.
+    #[test]
+    fn an_unusable_tensor_fails_the_call_on_every_rank_and_the_group_goes_on() {
+        use crate::comm::tests::FakeCuda;
+        use crate::tensor::TensorError;
+        let (_g, comms) = ranks(3, "tcp-unusable");
+        let unusable = |n: usize| {
+            Tensor::from_device_buffer(DType::F32, [n], Arc::new(FakeCuda(4 * n))).unwrap()
+        };
+        let assert_failed = |r: usize, e: &CommError| {
+            if r == 1 {
+                assert!(
+                    matches!(
+                        e,
+                        CommError::Tensor {
+                            source: TensorError::NotOnCpu { .. },
+                            ..
+                        }
+                    ),
+                    "{e}"
+                );
+            } else {
+                assert!(matches!(e, CommError::PeerFailed { peer: 1, .. }), "{e}");
+            }
+        };
+        // 300 values: the reason fits; 2 values (8 bytes): it does not, and the peers still
+        // fail naming rank 1.
+        for n in [300usize, 2] {
+            let got = on_each(&comms, |c| {
+                let t = if c.rank() == 1 {
+                    unusable(n)
+                } else {
+                    Tensor::from(vec![1.0f32; n])
+                };
+                (
+                    c.allreduce(&t, ReduceOp::Sum).unwrap_err(),
+                    c.allgather(&t).unwrap_err(),
+                )
+            });
+            for (r, (reduced, gathered)) in got.iter().enumerate() {
+                assert_failed(r, reduced);
+                assert_failed(r, gathered);
+                if r != 1 && n == 300 {
+                    assert!(reduced.to_string().contains("cuda"), "{reduced}");
+                }
+            }
+        }
+        let got = on_each(&comms, |c| {
+            let t = if c.rank() == 1 {
+                unusable(6)
+            } else {
+                Tensor::from(vec![1.0f32; 6])
+            };
+            c.reducescatter(&t, ReduceOp::Sum).unwrap_err()
+        });
+        for (r, e) in got.iter().enumerate() {
+            assert_failed(r, e);
+        }
+        // Point to point: the receiver of an unusable send fails naming the sender.
+        let got = on_each(&comms, |c| match c.rank() {
+            1 => Some(c.send(&unusable(64), 0).unwrap_err()),
+            0 => Some(c.recv(&[64], DType::F32, 1).unwrap_err()),
+            _ => None,
+        });
+        assert_failed(1, got[1].as_ref().unwrap());
+        assert_failed(0, got[0].as_ref().unwrap());
+        // And the group goes on.
+        let got = on_each(&comms, |c| {
+            c.allreduce(&Tensor::from(vec![c.rank() as f32; 5]), ReduceOp::Sum)
+                .unwrap()
+        });
+        assert!(got.iter().all(|t| t.as_slice::<f32>().unwrap() == [3.0; 5]));
+        let got = on_each(&comms, |c| match c.rank() {
+            1 => c.send(&Tensor::from(vec![7u8; 3]), 0).map(|_| None),
+            0 => c.recv(&[3], DType::U8, 1).map(Some),
+            _ => Ok(None),
+        });
+        assert_eq!(
+            got[0]
+                .as_ref()
+                .unwrap()
+                .as_ref()
+                .unwrap()
+                .as_slice::<u8>()
+                .unwrap(),
+            &[7, 7, 7]
+        );
     }
 
     #[test]

@@ -44,7 +44,7 @@ fn on_ranks<R: Send>(group: &CpuGroup, f: impl Fn(&CpuCommunicator) -> R + Sync)
 }
 
 #[derive(Debug)]
-struct FakeCuda(usize);
+pub(crate) struct FakeCuda(pub(crate) usize);
 impl DeviceBuffer for FakeCuda {
     fn device(&self) -> Device {
         Device::Cuda(0)
