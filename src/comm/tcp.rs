@@ -366,7 +366,8 @@ pub struct TcpCommunicator {
     /// What peers send in a reduction, by peer: kept from call to call.
     scratch: Mutex<Vec<Vec<u8>>>,
     /// The memory of the last result the caller dropped, for the next result (allreduce,
-    /// allgather): written whole by every call, so it need not be fresh.
+    /// allgather, reducescatter, a receive): each writes its result whole, so it need not be
+    /// fresh.
     results: Recycler,
     /// Filled by the forming thread: the mesh, or why it could not form.
     formed: Arc<Forming>,
@@ -718,20 +719,22 @@ impl TcpCommunicator {
                         Ok(n) => {
                             let before = got[q];
                             got[q] += n;
-                            let notice = their_head[q][..4] == OP_FAILED.to_le_bytes()
-                                && their_head[q][4..] == want[4..];
-                            if before < HEADER && got[q] >= HEADER && notice {
-                                failed[q] = true;
-                            } else if before < HEADER && got[q] >= HEADER && their_head[q] != *want
-                            {
-                                return Err(CommError::Mismatch {
-                                    group: self.group.clone(),
-                                    rank: self.rank,
-                                    peer: q,
-                                    op,
-                                    expected: describe(want),
-                                    found: describe(&their_head[q]),
-                                });
+                            // The header just completed: the expected one, or a failure
+                            // notice of the expected dtype and length.
+                            if before < HEADER && got[q] >= HEADER && their_head[q] != *want {
+                                let head = &their_head[q];
+                                if head[..4] == OP_FAILED.to_le_bytes() && head[4..] == want[4..] {
+                                    failed[q] = true;
+                                } else {
+                                    return Err(CommError::Mismatch {
+                                        group: self.group.clone(),
+                                        rank: self.rank,
+                                        peer: q,
+                                        op,
+                                        expected: describe(want),
+                                        found: describe(head),
+                                    });
+                                }
                             }
                         }
                         Err(e)
@@ -1056,7 +1059,7 @@ impl Communicator for TcpCommunicator {
         let bytes = match self.bytes(tensor, op) {
             Ok(b) => b,
             Err(e) => {
-                let len = tensor.numel() * tensor.dtype().size();
+                let len = tensor.nbytes();
                 let sends: Vec<Option<usize>> = (0..self.world)
                     .map(|q| (q == peer).then_some(len))
                     .collect();
@@ -1114,7 +1117,7 @@ impl Communicator for TcpCommunicator {
     fn allgather(&self, tensor: &Tensor) -> Result<Tensor, CommError> {
         let op = CommOp::AllGather;
         let bytes = self.bytes(tensor, op).map_err(|e| {
-            let len = tensor.numel() * tensor.dtype().size();
+            let len = tensor.nbytes();
             let each: Vec<Option<usize>> = (0..self.world)
                 .map(|q| (q != self.rank).then_some(len))
                 .collect();
