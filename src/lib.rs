@@ -30,8 +30,9 @@ pub use dag::{
 pub use error::{Capacity, CompileProblem, Error, MethodError, Result};
 pub use exec::{
     ActorStats, AsyncPipeline, AsyncRefSet, CommunicatorInfo, CompiledGraph, CompiledRef,
-    EdgeStats, First, GraphStats, HostClock, IndexedInput, IntoOutputs, OpKind, Pipeline, RefSet,
-    Timeline, TimelineEvent, get_all, get_all_timeout, wait_first, wait_first_async,
+    EdgeStats, First, GraphStats, HostClock, IndexedInput, IntoOutputs, OpKind, Pipeline,
+    RefFuture, RefSet, Timeline, TimelineEvent, get_all, get_all_timeout, wait_first,
+    wait_first_async,
 };
 pub use tensor::{DType, Device, Element, Tensor, TensorError};
 pub use value::{AnyValue, TypeTag, Value};

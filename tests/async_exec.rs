@@ -472,3 +472,116 @@ fn recovery_after_a_death_async() {
         }
     });
 }
+
+/// Polls `fut` with `poll_reading` (the result read on this thread, spinning up to 50 µs a
+/// poll) until it resolves; a hang becomes a failure after 20 s.
+fn read_here<T: adag::Value>(fut: &mut adag::RefFuture<T>, what: &str) -> adag::Result<T> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let std::task::Poll::Ready(v) =
+            std::pin::Pin::new(&mut *fut).poll_reading(&mut cx, Duration::from_micros(50))
+        {
+            return v;
+        }
+        assert!(Instant::now() < end, "{what}: no result after 20 s");
+    }
+}
+
+/// Futures read on the awaiting thread (`poll_reading`) and futures woken by the result pump
+/// mix: a direct read of a later execution buffers the earlier ones for their own awaits;
+/// an execution nobody read directly still reaches its plain `.await` (the pump, standing
+/// aside for the direct readers, reads for a registered waker); concurrent direct readers and
+/// pump-woken tasks each get their own value, in order, none lost or duplicated.
+#[test]
+fn direct_reads_and_the_pump_deliver_every_result_once() {
+    each_placement("direct_reads_and_the_pump_deliver_every_result_once", |p| {
+        let rt = Runtime::new().unwrap();
+        let a = worker(&rt, p, 1);
+        let dag = Dag::<u64>::new();
+        let g = std::sync::Arc::new(
+            dag.compile(a.echo(dag.input()), async_opts().max_inflight_executions(8))
+                .unwrap(),
+        );
+        let tokio = tokio_rt();
+        for round in 0..100u64 {
+            let x = |i: u64| round * 10 + i;
+            let refs: Vec<_> = (0..4)
+                .map(|i| tokio.block_on(g.execute_async(x(i))).unwrap())
+                .collect();
+            let mut futs: Vec<_> = refs.into_iter().map(|r| r.into_future_value()).collect();
+            // The third, read here: the first two are read on the way and kept.
+            assert_eq!(
+                read_here(&mut futs[2], "third").unwrap(),
+                x(2) + 1,
+                "[{p:?}]"
+            );
+            let last = futs.pop().unwrap();
+            let third = futs.pop().unwrap();
+            drop(third);
+            // The fourth through the pump, right after a direct read (the pump stands aside).
+            assert_eq!(
+                tokio.block_on(last).unwrap(),
+                x(3) + 1,
+                "[{p:?}] round {round}"
+            );
+            for (i, f) in futs.into_iter().enumerate() {
+                assert_eq!(tokio.block_on(f).unwrap(), x(i as u64) + 1, "[{p:?}]");
+            }
+        }
+        // Two threads: one reads directly, the other awaits through the pump, interleaved.
+        let g2 = g.clone();
+        let pumped = std::thread::spawn(move || {
+            let tokio = tokio_rt();
+            for i in 0..300u64 {
+                let r = tokio.block_on(g2.execute_async(1_000_000 + i)).unwrap();
+                assert_eq!(
+                    tokio.block_on(r.into_future_value()).unwrap(),
+                    1_000_001 + i
+                );
+            }
+        });
+        for i in 0..300u64 {
+            let r = loop {
+                match tokio.block_on(g.execute_async(2_000_000 + i)) {
+                    Ok(r) => break r,
+                    Err(Error::CapacityExceeded { .. }) => std::thread::yield_now(),
+                    Err(e) => panic!("[{p:?}] {e}"),
+                }
+            };
+            let mut f = r.into_future_value();
+            assert_eq!(
+                read_here(&mut f, "direct").unwrap(),
+                2_000_001 + i,
+                "[{p:?}]"
+            );
+        }
+        pumped.join().unwrap();
+        // Read directly, then fill the graph with futures dropped unawaited: the places they
+        // hold come free for the next submissions (the pump, standing aside, is called back).
+        let mut f = tokio
+            .block_on(g.execute_async(7))
+            .unwrap()
+            .into_future_value();
+        assert_eq!(read_here(&mut f, "before the drops").unwrap(), 8);
+        for round in 0..20u64 {
+            for i in 0..8u64 {
+                drop(tokio.block_on(g.execute_async(round * 8 + i)).unwrap());
+            }
+            let mut f = tokio
+                .block_on(g.execute_async(99))
+                .unwrap()
+                .into_future_value();
+            assert_eq!(
+                read_here(&mut f, "after the drops").unwrap(),
+                100,
+                "[{p:?}]"
+            );
+        }
+        // Teardown ends a direct read with the graph's error, not a hang.
+        let r = tokio.block_on(g.execute_async(5)).unwrap();
+        g.teardown().unwrap();
+        let mut f = r.into_future_value();
+        assert!(read_here(&mut f, "after teardown").is_err(), "[{p:?}]");
+    });
+}

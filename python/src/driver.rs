@@ -826,7 +826,7 @@ const GOT_ONCE: &str =
 /// How long one wait of a blocking `get` lasts before it looks for a signal (Ctrl-C).
 const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
-type RefFut = std::pin::Pin<Box<dyn std::future::Future<Output = adag::Result<PyValue>> + Send>>;
+type RefFut = adag::RefFuture<PyValue>;
 
 /// A ref being awaited: its future, and the eventfd its waker signals (the event loop watches
 /// it with `add_reader`; waking needs no GIL).
@@ -919,7 +919,7 @@ impl CompiledDAGRef {
                 .take()
                 .ok_or_else(|| PyValueError::new_err(GOT_ONCE))?;
             *polled = Some(Polled {
-                fut: Box::pin(std::future::IntoFuture::into_future(r)),
+                fut: std::future::IntoFuture::into_future(r),
                 wake: Arc::new(EventWake::default()),
             });
         }
@@ -931,16 +931,19 @@ impl CompiledDAGRef {
             use std::sync::atomic::Ordering;
             let mut cx = std::task::Context::from_waker(&waker);
             wake.woken.store(false, Ordering::Relaxed);
-            let first = fut.as_mut().poll(&mut cx);
+            let start = std::time::Instant::now();
+            // Read the result on this thread (spinning up to the budget when the loop is
+            // idle): no hop through the graph's result pump.
+            let first = std::pin::Pin::new(&mut *fut)
+                .poll_reading(&mut cx, if spin { AWAIT_SPIN } else { Duration::ZERO });
             if !spin || first.is_ready() {
                 return first;
             }
-            // Watch the wake flag, not the future: polling takes the graph's locks, which
-            // the thread about to deliver the result needs.
-            let start = std::time::Instant::now();
+            // The pump held the channels: it delivers the result. Watch the wake flag, not
+            // the future: polling takes the graph's locks, which the pump needs.
             loop {
                 if wake.woken.swap(false, Ordering::AcqRel) {
-                    let again = fut.as_mut().poll(&mut cx);
+                    let again = std::pin::Pin::new(&mut *fut).poll(&mut cx);
                     if again.is_ready() {
                         return again;
                     }

@@ -31,6 +31,39 @@ def test_execute_async_and_await():
     asyncio.run(main())
 
 
+def test_awaits_read_here_and_through_the_pump_mix():
+    """An await on an idle loop reads the result on the loop's thread; awaits that run
+    together (the loop busy) are woken by the graph's pump. Mixed, every value arrives once,
+    to its own future, in order."""
+    a = EchoActor.remote(1)
+
+    async def main():
+        with InputNode() as inp:
+            dag = a.add.bind(inp)
+        compiled = dag.experimental_compile(enable_asyncio=True, _max_inflight_executions=8)
+        try:
+            for round_ in range(50):
+                base = round_ * 100
+                # One at a time: read on this thread.
+                for i in range(3):
+                    assert await (await compiled.execute_async(base + i)) == base + i + 1
+                # Four in flight, the last awaited first (the others are read on the way).
+                futs = [await compiled.execute_async(base + 10 + i) for i in range(4)]
+                assert await futs[3] == base + 14
+                # Awaited together: the pump delivers what no idle await read.
+                got = await asyncio.gather(*futs[:3], *[
+                    _submit_and_await(compiled, base + 20 + i) for i in range(3)])
+                assert got == [base + 11, base + 12, base + 13, base + 21, base + 22, base + 23]
+        finally:
+            compiled.teardown()
+
+    asyncio.run(main())
+
+
+async def _submit_and_await(compiled, x):
+    return await (await compiled.execute_async(x))
+
+
 def test_async_task_error():
     a = EchoActor.remote()
 

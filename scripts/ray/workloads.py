@@ -86,9 +86,20 @@ class Measured:
         }
 
 
-def timed(warmup, iters, f):
-    for i in range(warmup):
+# The least time a latency row warms up for, whatever its count: the first milliseconds of a
+# fresh round trip can run with both ends on one core until the kernel spreads them (seen
+# with adag: ~5 us a round trip for the first ~10 ms, then ~1.2 us), which a count of a few
+# hundred fast iterations does not outlast. Both systems get the same.
+SETTLE_S = 0.25
+
+
+def timed(warmup, iters, f, settle_s=SETTLE_S):
+    end = NS() + int(settle_s * 1e9)
+    i = 0
+    while i < warmup or NS() < end:
         f(i)
+        i += 1
+    warmup = i
     m = Measured()
     start = NS()
     for i in range(iters):
@@ -273,7 +284,7 @@ class Bench:
                 expect(v.nbytes == size, f"echo of {size} bytes returned {v.nbytes}")
                 del v  # a zero-copy result pins its channel buffer until released
 
-            m = timed(min(self.warmup(n), n), n, f)
+            m = timed(min(self.warmup(n), n), n, f, settle_s=0)
             dag.teardown()
             row = m.row(f"payload_{name}", "")
             gbps = size / (row["p50_us"] * 1e-6) / 1e9
@@ -308,7 +319,7 @@ class Bench:
                     expect(v.nbytes == size and v[0] == 0x5A ^ 0xA5, f"transform of {size} bytes went wrong")
                     del v
 
-                m = timed(min(self.warmup(n), n), n, f)
+                m = timed(min(self.warmup(n), n), n, f, settle_s=0)
                 dag.teardown()
                 row = m.row(f"{method}_{name}", "")
                 gbps = size / (row["p50_us"] * 1e-6) / 1e9
@@ -328,8 +339,11 @@ class Bench:
             with InputNode() as inp:
                 out = a.add.bind(inp)
             dag = out.experimental_compile(enable_asyncio=True)
-            for i in range(self.warmup(n)):
+            end = NS() + int(SETTLE_S * 1e9)
+            i = 0
+            while i < self.warmup(n) or NS() < end:
                 await (await dag.execute_async(i))
+                i += 1
             m = Measured()
             start = NS()
             for i in range(n):

@@ -100,6 +100,16 @@ pub(crate) trait RefOwner: Send + Sync {
         output: usize,
         cx: &mut Context<'_>,
     ) -> Poll<Result<Box<dyn Any + Send>>>;
+    /// Async mode: `poll_fetch`, but first reads the output channels on the calling thread
+    /// for up to `wait` (the channels' own spin) when no other reader holds them: the result
+    /// comes without a hop through the pump's thread.
+    fn poll_reading(
+        &self,
+        exec: u64,
+        output: usize,
+        cx: &mut Context<'_>,
+        wait: Duration,
+    ) -> Poll<Result<Box<dyn Any + Send>>>;
     fn release(&self, exec: u64, output: usize);
     fn describe_output(&self, output: usize) -> String;
     /// The graph's id and its number of outputs (for a ref's `Debug` and `Display`).
@@ -150,6 +160,10 @@ pub(crate) struct GraphShared<I> {
     submit_waiters: wait::SubmitWaiters,
     /// The graph's parts on other hosts, if it has any.
     remote: Option<RemoteParts>,
+    /// Async mode: until when (`clock::mono_ns`) a thread awaiting a result reads the output
+    /// channels itself ([`RefOwner::poll_reading`]); the pump stands aside meanwhile, unless
+    /// a future or a submission waits on it.
+    reading_directly_until: AtomicU64,
 }
 
 /// A compiled graph: execute it many times, then tear it down (also on drop).
@@ -260,6 +274,11 @@ pub(crate) fn release_actors(actors: &[HandleCore], graph: u64) {
 /// why (a lost host: up to the heartbeat timeout after the connection broke is not waited
 /// for; a closed connection is reported at once).
 const REPORT_GRACE: Duration = Duration::from_secs(2);
+
+/// How long after a thread last read the output channels directly the async pump keeps
+/// standing aside for the next such read (an await loop's next await comes within
+/// microseconds; a pump that took the channels back would make it wait for the pump's hop).
+const DIRECT_READING_GRACE: Duration = Duration::from_millis(2);
 
 fn start<I: Value>(
     planned: Planned,
@@ -463,6 +482,7 @@ fn start<I: Value>(
         obs,
         submit_waiters: wait::SubmitWaiters::new(),
         remote,
+        reading_directly_until: AtomicU64::new(0),
     });
     if shared.opts.enable_asyncio {
         pump::start(&shared).inspect_err(|_| {
@@ -1029,6 +1049,75 @@ impl<I: Value> GraphShared<I> {
 }
 
 impl<I: Value> GraphShared<I> {
+    /// Async mode: reads executions in order on the calling thread, up to `wait`, until
+    /// output `output` of `exec` is in. `None` when it is not in by then, or another thread
+    /// holds the channels (the pump, blocked on them: it delivers the result), or reading on
+    /// would overfill the buffer of unclaimed results (the pump waits for room instead).
+    /// While such reads come, the pump stands aside ([`Self::pump_stands_aside`]), so that
+    /// the channels are free for the next one.
+    fn read_directly(
+        &self,
+        exec: u64,
+        output: usize,
+        wait: Duration,
+    ) -> Option<Result<Box<dyn Any + Send>>> {
+        self.reading_directly_until.store(
+            crate::clock::mono_ns() + DIRECT_READING_GRACE.as_nanos() as u64,
+            Ordering::Release,
+        );
+        let mut rs = self.reader.try_lock()?;
+        let deadline = if wait.is_zero() {
+            crate::channel::passed()
+        } else {
+            Instant::now() + wait
+        };
+        loop {
+            if let Err(e) = self.check_live() {
+                return Some(Err(e));
+            }
+            {
+                let mut r = self.results.lock();
+                if let Some(v) = Self::take_from(&mut r, exec, output) {
+                    r.wakers.remove(&(exec, output));
+                    drop(r);
+                    self.room.notify_all();
+                    return Some(Ok(v));
+                }
+                let next = self.next_read.load(Ordering::Acquire);
+                if exec < next {
+                    return Some(Err(Error::AlreadyClaimed {
+                        execution: exec,
+                        output,
+                    }));
+                }
+                if next != exec
+                    && !rs.reading()
+                    && !self.dropped_whole(&r, next)
+                    && r.buffer.len() >= self.opts.max_buffered_results
+                {
+                    return None;
+                }
+            }
+            match self.read_next(&mut rs, Some(deadline), wait, Some((exec, output))) {
+                // `store` took its waker out, if it had one.
+                Ok(Some(v)) => return Some(Ok(v)),
+                Ok(None) => {}
+                Err(Error::Timeout { .. }) => return None,
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+
+    /// Whether the pump leaves the output channels to threads reading them directly: one
+    /// did within [`DIRECT_READING_GRACE`], and no future or submission waits on the pump
+    /// (`r`: the results, locked).
+    fn pump_stands_aside(&self, r: &ResultState) -> Option<Duration> {
+        let until = self.reading_directly_until.load(Ordering::Acquire);
+        let now = crate::clock::mono_ns();
+        (until > now && r.wakers.is_empty() && r.room_wakers.is_empty())
+            .then(|| Duration::from_nanos(until - now))
+    }
+
     fn is_buffered(&self, exec: u64, output: usize) -> bool {
         self.results
             .lock()
@@ -1194,6 +1283,28 @@ impl<I: Value> RefOwner for GraphShared<I> {
         }
         r.wakers.insert((exec, output), cx.waker().clone());
         Poll::Pending
+    }
+
+    fn poll_reading(
+        &self,
+        exec: u64,
+        output: usize,
+        cx: &mut Context<'_>,
+        wait: Duration,
+    ) -> Poll<Result<Box<dyn Any + Send>>> {
+        if let Err(e) = self.check_awaitable() {
+            return Poll::Ready(Err(e));
+        }
+        match self.read_directly(exec, output, wait) {
+            Some(done) => Poll::Ready(done),
+            None => {
+                let pending = self.poll_fetch(exec, output, cx);
+                // The pump may stand aside for readers like this one: it reads for the
+                // waker just filed.
+                self.room.notify_all();
+                pending
+            }
+        }
     }
 
     fn release(&self, exec: u64, output: usize) {
@@ -1414,6 +1525,8 @@ impl<I: Value> std::future::Future for RoomWait<'_, I> {
             return Poll::Ready(());
         }
         s.results.lock().room_wakers.push(cx.waker().clone());
+        // A pump standing aside for direct readers reads for this waiter now.
+        s.room.notify_all();
         // The pump may have moved between the look above and the registration.
         if free() {
             return Poll::Ready(());

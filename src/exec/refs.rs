@@ -207,13 +207,54 @@ pub struct RefFuture<T> {
     finished: bool,
 }
 
-impl<T: Value> std::future::Future for RefFuture<T> {
-    type Output = Result<T>;
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
+impl<T: Value> RefFuture<T> {
+    /// Polls the future, but first reads the result from the graph's output channels on this
+    /// thread, waiting up to `wait` (spinning, as the channels do), when no other thread is
+    /// reading them. A plain `poll` is woken by the graph's result pump, a thread of its own:
+    /// for a caller that would spin on its waker anyway (an event loop with nothing else to
+    /// run), reading here saves that hop between threads. `Duration::ZERO` only looks.
+    ///
+    /// ```
+    /// # use adag::{CompileOptions, Dag, Placement, Runtime};
+    /// # use std::time::Duration;
+    /// # struct Adder { k: u64 }
+    /// # #[adag::actor]
+    /// # impl Adder {
+    /// #     fn new(k: u64) -> Self { Adder { k } }
+    /// #     fn add(&mut self, x: u64) -> u64 { x + self.k }
+    /// # }
+    /// let rt = Runtime::new().unwrap();
+    /// let a = rt.spawn::<Adder>(Placement::Thread, 1).unwrap();
+    /// let dag = Dag::<u64>::new();
+    /// let opts = CompileOptions::default().enable_asyncio(true);
+    /// let graph = dag.compile(a.add(dag.input()), opts).unwrap();
+    /// let tokio = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let r = tokio.block_on(graph.execute_async(41)).unwrap();
+    /// let mut fut = std::pin::pin!(std::future::IntoFuture::into_future(r));
+    /// let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    /// let v = loop {
+    ///     if let std::task::Poll::Ready(v) =
+    ///         fut.as_mut().poll_reading(&mut cx, Duration::from_micros(50))
+    ///     {
+    ///         break v.unwrap();
+    ///     }
+    /// };
+    /// assert_eq!(v, 42);
+    /// ```
+    pub fn poll_reading(
+        self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
+        wait: Duration,
     ) -> std::task::Poll<Result<T>> {
-        let this = &mut *self;
+        self.get_mut().poll_with(cx, Some(wait))
+    }
+
+    fn poll_with(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        read_for: Option<Duration>,
+    ) -> std::task::Poll<Result<T>> {
+        let this = self;
         let inner = &this.r.inner;
         if !this.started {
             if inner.claimed.swap(true, Ordering::AcqRel) {
@@ -224,7 +265,11 @@ impl<T: Value> std::future::Future for RefFuture<T> {
             }
             this.started = true;
         }
-        match inner.owner.poll_fetch(inner.exec, inner.output, cx) {
+        let polled = match read_for {
+            None => inner.owner.poll_fetch(inner.exec, inner.output, cx),
+            Some(wait) => inner.owner.poll_reading(inner.exec, inner.output, cx, wait),
+        };
+        match polled {
             std::task::Poll::Pending => std::task::Poll::Pending,
             std::task::Poll::Ready(Err(e @ Error::WrongMode { .. })) => {
                 // Nothing was claimed: the ref stays usable through get().
@@ -238,6 +283,16 @@ impl<T: Value> std::future::Future for RefFuture<T> {
                 std::task::Poll::Ready(r.and_then(|v| this.r.unpack(v)))
             }
         }
+    }
+}
+
+impl<T: Value> std::future::Future for RefFuture<T> {
+    type Output = Result<T>;
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<T>> {
+        self.get_mut().poll_with(cx, None)
     }
 }
 
