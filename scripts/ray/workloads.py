@@ -138,8 +138,10 @@ def pipelined(dag, depth, warmup, iters, check):
 
 
 def expect(cond, what):
+    """`what`: the message, or a function making it (made only on failure: formatting a
+    message in every iteration would be timed with the round trip)."""
     if not cond:
-        raise AssertionError(what)
+        raise AssertionError(what() if callable(what) else what)
 
 
 class Bench:
@@ -187,7 +189,8 @@ class Bench:
 
         def f(i):
             v = ray.get(dag.execute(i))
-            expect(v == i, f"echo returned {v} for {i}")
+            if v != i:
+                raise AssertionError(f"echo returned {v} for {i}")
 
         m = timed(self.warmup(n), n, f)
         dag.teardown()
@@ -201,7 +204,7 @@ class Bench:
 
         def f(i):
             v = ray.get(a.add.remote(i))
-            expect(v == i, f"call returned {v} for {i}")
+            expect(v == i, lambda: f"call returned {v} for {i}")
 
         m = timed(self.warmup(n), n, f)
         self.push(m.row("call", "classic actor call (baseline)"))
@@ -217,7 +220,7 @@ class Bench:
 
             def f(i):
                 v = ray.get(dag.execute(i))
-                expect(v == i + 3, f"chain returned {v} for {i}")
+                expect(v == i + 3, lambda: f"chain returned {v} for {i}")
 
             m = timed(self.warmup(n), n, f)
             dag.teardown()
@@ -229,7 +232,7 @@ class Bench:
             n = self.pipelined_n
 
             def check(i, v):
-                expect(v == i + 3, f"chain returned {v} for {i}")
+                expect(v == i + 3, lambda: f"chain returned {v} for {i}")
 
             m = pipelined(dag, d, self.warmup(n), n, check)
             dag.teardown()
@@ -248,7 +251,7 @@ class Bench:
             return out.experimental_compile(**kw)
 
         def check(i, v):
-            expect(len(v) == 4 and all(x == i + 1 for x in v), f"fan-out returned {v} for {i}")
+            expect(len(v) == 4 and all(x == i + 1 for x in v), lambda: f"fan-out returned {v} for {i}")
 
         if self.wants(keys[0]):
             dag = compile_()
@@ -281,7 +284,7 @@ class Bench:
 
             def f(i):
                 v = ray.get(dag.execute(arr))
-                expect(v.nbytes == size, f"echo of {size} bytes returned {v.nbytes}")
+                expect(v.nbytes == size, lambda: f"echo of {size} bytes returned {v.nbytes}")
                 del v  # a zero-copy result pins its channel buffer until released
 
             m = timed(min(self.warmup(n), n), n, f, settle_s=0)
@@ -316,7 +319,7 @@ class Bench:
 
                 def f(i):
                     v = ray.get(dag.execute(arr))
-                    expect(v.nbytes == size and v[0] == 0x5A ^ 0xA5, f"transform of {size} bytes went wrong")
+                    expect(v.nbytes == size and v[0] == 0x5A ^ 0xA5, lambda: f"transform of {size} bytes went wrong")
                     del v
 
                 m = timed(min(self.warmup(n), n), n, f, settle_s=0)
@@ -350,7 +353,8 @@ class Bench:
                 t = NS()
                 v = await (await dag.execute_async(i))
                 m.samples.append(NS() - t)
-                expect(v == i, f"async echo returned {v} for {i}")
+                if v != i:
+                    raise AssertionError(f"async echo returned {v} for {i}")
             m.elapsed_s = (NS() - start) / 1e9
             dag.teardown()
             return m
@@ -370,7 +374,7 @@ class Bench:
                 dag = self.chain(stages)
                 dc = NS() - t
                 v = ray.get(dag.execute(7))
-                expect(v == 7 + n_actors, f"compiled chain returned {v}")
+                expect(v == 7 + n_actors, lambda: f"compiled chain returned {v}")
                 t = NS()
                 dag.teardown()
                 dt = NS() - t
