@@ -93,18 +93,25 @@ class Measured:
 SETTLE_S = 0.25
 
 
-def timed(warmup, iters, f, settle_s=SETTLE_S):
+def warming_up(count, settle_s=SETTLE_S):
+    """The indices of a warm-up: at least `count` of them, for at least `settle_s` seconds."""
     end = NS() + int(settle_s * 1e9)
     i = 0
-    while i < warmup or NS() < end:
-        f(i)
+    while i < count or NS() < end:
+        yield i
         i += 1
-    warmup = i
+
+
+def timed(warmup, iters, f, settle_s=SETTLE_S):
+    warmed = 0
+    for i in warming_up(warmup, settle_s):
+        f(i)
+        warmed = i + 1
     m = Measured()
     start = NS()
     for i in range(iters):
         t = NS()
-        f(warmup + i)
+        f(warmed + i)
         m.samples.append(NS() - t)
     m.elapsed_s = (NS() - start) / 1e9
     return m
@@ -342,11 +349,8 @@ class Bench:
             with InputNode() as inp:
                 out = a.add.bind(inp)
             dag = out.experimental_compile(enable_asyncio=True)
-            end = NS() + int(SETTLE_S * 1e9)
-            i = 0
-            while i < self.warmup(n) or NS() < end:
+            for i in warming_up(self.warmup(n)):
                 await (await dag.execute_async(i))
-                i += 1
             m = Measured()
             start = NS()
             for i in range(n):

@@ -646,12 +646,27 @@ impl<I: Value> GraphShared<I> {
         want: Option<(u64, usize)>,
     ) -> Result<Option<Box<dyn Any + Send>>> {
         let exec = self.next_read.load(Ordering::Acquire);
+        self.read_exec(rs, exec, deadline, want)
+            .map_err(|(edge, e)| self.edge_error(rs, edge, exec, e, timeout))
+    }
+
+    /// `read_next` for execution `exec` (`next_read`, loaded by the caller under the
+    /// channels' lock), with a channel error as it came: a caller that expects timeouts
+    /// (the pump, an await reading for itself) names none it does not report.
+    fn read_exec(
+        &self,
+        rs: &mut Gather,
+        exec: u64,
+        deadline: Option<Instant>,
+        want: Option<(u64, usize)>,
+    ) -> std::result::Result<Option<Box<dyn Any + Send>>, (usize, ChanError)> {
         match rs.read(exec, deadline) {
             Ok(results) => Ok(self.store(exec, results, want, rs.drained())),
-            Err((edge, e)) => {
+            Err(err) => {
+                // Leftovers drained while waiting: room for the waiting submitters.
                 self.drained.store(rs.drained(), Ordering::Release);
                 self.submit_waiters.notify();
-                Err(self.edge_error(rs, edge, exec, e, timeout))
+                Err(err)
             }
         }
     }
@@ -738,6 +753,29 @@ impl<I: Value> GraphShared<I> {
         Some(v)
     }
 
+    /// Async mode: output `output` of `exec` if it is buffered (taken, its waker dropped),
+    /// the graph's error once it stopped, or `AlreadyClaimed` once its execution was read
+    /// without it; `None` while it is still to be read (`r`: the results, locked). After a
+    /// take, the caller signals `room` once `r` is unlocked.
+    fn claim_from(
+        &self,
+        r: &mut ResultState,
+        exec: u64,
+        output: usize,
+    ) -> Option<Result<Box<dyn Any + Send>>> {
+        if let Some(v) = Self::take_from(r, exec, output) {
+            r.wakers.remove(&(exec, output));
+            return Some(Ok(v));
+        }
+        if let Err(e) = self.check_live() {
+            return Some(Err(e));
+        }
+        (exec < self.next_read.load(Ordering::Acquire)).then_some(Err(Error::AlreadyClaimed {
+            execution: exec,
+            output,
+        }))
+    }
+
     fn take_buffered(&self, exec: u64, output: usize) -> Option<Box<dyn Any + Send>> {
         let v = Self::take_from(&mut self.results.lock(), exec, output);
         if v.is_some() {
@@ -748,6 +786,17 @@ impl<I: Value> GraphShared<I> {
 
     fn all_dropped(&self, exec: u64) -> bool {
         self.dropped_whole(&self.results.lock(), exec)
+    }
+
+    /// Whether reading execution `next` on the way to `exec` would overfill the buffer of
+    /// unclaimed results (`r`: the results, locked; `rs`: the channels). An execution read
+    /// part of the way is finished, and one whose refs were all dropped is discarded, so
+    /// neither counts.
+    fn reading_on_overfills(&self, r: &ResultState, rs: &Gather, next: u64, exec: u64) -> bool {
+        next != exec
+            && !rs.reading()
+            && !self.dropped_whole(r, next)
+            && r.buffer.len() >= self.opts.max_buffered_results
     }
 
     /// Whether every ref of `exec` was dropped (`r`: the results, locked).
@@ -803,8 +852,6 @@ impl<I: Value> GraphShared<I> {
         for w in wake {
             w.wake();
         }
-        // The pump drained leftovers: room for the waiting submitters too.
-        self.submit_waiters.notify();
     }
 
     fn execute(self: &Arc<Self>, input: &I) -> Result<ExecToken> {
@@ -1072,38 +1119,27 @@ impl<I: Value> GraphShared<I> {
             Instant::now() + wait
         };
         loop {
-            if let Err(e) = self.check_live() {
-                return Some(Err(e));
-            }
-            {
-                let mut r = self.results.lock();
-                if let Some(v) = Self::take_from(&mut r, exec, output) {
-                    r.wakers.remove(&(exec, output));
-                    drop(r);
+            let mut r = self.results.lock();
+            if let Some(done) = self.claim_from(&mut r, exec, output) {
+                drop(r);
+                if done.is_ok() {
                     self.room.notify_all();
-                    return Some(Ok(v));
                 }
-                let next = self.next_read.load(Ordering::Acquire);
-                if exec < next {
-                    return Some(Err(Error::AlreadyClaimed {
-                        execution: exec,
-                        output,
-                    }));
-                }
-                if next != exec
-                    && !rs.reading()
-                    && !self.dropped_whole(&r, next)
-                    && r.buffer.len() >= self.opts.max_buffered_results
-                {
-                    return None;
-                }
+                return Some(done);
             }
-            match self.read_next(&mut rs, Some(deadline), wait, Some((exec, output))) {
+            // The channels are locked: nobody else moves it on.
+            let next = self.next_read.load(Ordering::Acquire);
+            if self.reading_on_overfills(&r, &rs, next, exec) {
+                return None;
+            }
+            drop(r);
+            match self.read_exec(&mut rs, next, Some(deadline), Some((exec, output))) {
                 // `store` took its waker out, if it had one.
                 Ok(Some(v)) => return Some(Ok(v)),
                 Ok(None) => {}
-                Err(Error::Timeout { .. }) => return None,
-                Err(e) => return Some(Err(e)),
+                // Not in yet: no error to name (the caller waits on, through the pump).
+                Err((_, ChanError::Timeout)) => return None,
+                Err((edge, e)) => return Some(Err(self.edge_error(&rs, edge, next, e, wait))),
             }
         }
     }
@@ -1181,11 +1217,7 @@ impl<I: Value> GraphShared<I> {
                     output,
                 });
             }
-            if next != exec
-                && !rs.reading()
-                && !self.all_dropped(next)
-                && self.results.lock().buffer.len() >= self.opts.max_buffered_results
-            {
+            if self.reading_on_overfills(&self.results.lock(), &rs, next, exec) {
                 tracing::debug!(
                     graph = self.id,
                     limit = self.opts.max_buffered_results,
@@ -1266,20 +1298,12 @@ impl<I: Value> RefOwner for GraphShared<I> {
             return Poll::Ready(Err(e));
         }
         let mut r = self.results.lock();
-        if let Some(v) = Self::take_from(&mut r, exec, output) {
-            r.wakers.remove(&(exec, output));
+        if let Some(done) = self.claim_from(&mut r, exec, output) {
             drop(r);
-            self.room.notify_all();
-            return Poll::Ready(Ok(v));
-        }
-        if let Err(e) = self.check_live() {
-            return Poll::Ready(Err(e));
-        }
-        if exec < self.next_read.load(Ordering::Acquire) {
-            return Poll::Ready(Err(Error::AlreadyClaimed {
-                execution: exec,
-                output,
-            }));
+            if done.is_ok() {
+                self.room.notify_all();
+            }
+            return Poll::Ready(done);
         }
         r.wakers.insert((exec, output), cx.waker().clone());
         Poll::Pending

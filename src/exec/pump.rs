@@ -66,13 +66,9 @@ fn run<I: Value>(weak: Weak<GraphShared<I>>) {
         }
         // A thread reading directly may have moved on since the look above.
         let exec = shared.next_read.load(Ordering::Acquire);
-        match gather.read(exec, Some(Instant::now() + LOOK_AGAIN)) {
-            Ok(results) => {
-                let drained = gather.drained();
-                shared.store(exec, results, None, drained);
-            }
+        match shared.read_exec(&mut gather, exec, Some(Instant::now() + LOOK_AGAIN), None) {
+            Ok(_) => {}
             Err((_, ChanError::Timeout)) => {
-                shared.drained.store(gather.drained(), Ordering::Release);
                 drop(gather);
                 shared.wake_room();
             }
