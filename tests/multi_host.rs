@@ -1157,3 +1157,121 @@ fn large_values_sent_both_ways_between_hosts_do_not_deadlock() {
         assert_eq!(out[1].1, sum(0.0), "{n}: right got left's");
     }
 }
+
+/// A stage whose first call naps, so that the inputs behind it pile up at its host and it
+/// holds its small results back to send them in batches; its call for input `blocked` waits
+/// until the file `open_when` exists (at most a minute).
+pub struct Gate {
+    add: u64,
+    calls: u64,
+    blocked: u64,
+    open_when: String,
+}
+
+#[adag::actor]
+impl Gate {
+    pub fn new(add: u64, blocked: u64, open_when: String) -> Self {
+        Gate {
+            add,
+            calls: 0,
+            blocked,
+            open_when,
+        }
+    }
+
+    pub fn pass(&mut self, x: u64) -> u64 {
+        self.calls += 1;
+        if self.calls == 1 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if x == self.blocked {
+            let until = Instant::now() + Duration::from_secs(60);
+            while !std::path::Path::new(&self.open_when).exists() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        x + self.add
+    }
+
+    pub fn tensor(&mut self, x: u64) -> Tensor {
+        Tensor::from(vec![x as f32 + self.add as f32; 4])
+    }
+
+    pub fn total(&mut self, t: Tensor) -> f64 {
+        f32s(&t).iter().map(|v| f64::from(*v)).sum()
+    }
+}
+
+fn gate(
+    rt: &Runtime,
+    h: &HostInfo,
+    add: u64,
+    blocked: u64,
+    open_when: &str,
+) -> adag::ActorHandle<Gate> {
+    rt.spawn::<Gate>(Placement::Host(h.id), (add, blocked, open_when.to_string()))
+        .unwrap_or_else(|e| panic!("spawn on {}: {e}", h.name))
+}
+
+/// A stage behind on its inputs holds its small results back to send several at once; a
+/// method call that then blocks (here until the driver has the result before it) must not
+/// keep those results: they leave within a bounded time, and every result arrives, in order.
+#[test]
+fn results_held_back_leave_while_a_later_call_blocks() {
+    let (rt, _hosts, h) = cluster(2);
+    let dir = std::env::temp_dir().join(format!("adag-held-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let open = dir.join("open");
+    let _ = std::fs::remove_file(&open);
+    let first = gate(&rt, &h[0], 1, 9, open.to_str().unwrap());
+    let second = gate(&rt, &h[1], 10, u64::MAX, "");
+    let dag = Dag::<u64>::new();
+    let out = second.pass(first.pass(dag.input()));
+    let g = dag
+        .compile(out, CompileOptions::default().max_inflight_executions(16))
+        .unwrap();
+    let refs: Vec<_> = (0..16u64).map(|i| g.execute(i).unwrap()).collect();
+    let mut refs = refs.into_iter().enumerate();
+    // Execution 9 blocks until the results before it are here.
+    for (i, r) in refs.by_ref().take(9) {
+        let got = r.get_timeout(Duration::from_secs(20));
+        assert_eq!(got.unwrap(), i as u64 + 11, "execution {i}, while 9 blocks");
+    }
+    std::fs::write(&open, b"").unwrap();
+    for (i, r) in refs {
+        assert_eq!(r.get_timeout(GET).unwrap(), i as u64 + 11, "execution {i}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An actor that holds its small results back and then enters a collective with the actor
+/// that reads them: the results leave before the collective waits, for every execution of a
+/// deep pipeline.
+#[test]
+fn results_held_back_leave_before_a_collective_across_hosts() {
+    let (rt, _hosts, h) = cluster(2);
+    let a = gate(&rt, &h[0], 1, u64::MAX, "");
+    let b = gate(&rt, &h[1], 100, u64::MAX, "");
+    let dag = Dag::<u64>::new();
+    let x = dag.input();
+    let passed = a.pass(&x);
+    let tensors = [a.tensor(&x), b.tensor(b.pass(&passed))];
+    let summed = adag::collective::allreduce(&tensors, ReduceOp::Sum);
+    let outs = MultiOutput(vec![a.total(&summed[0]), b.total(&summed[1])]);
+    let g = dag
+        .compile(outs, CompileOptions::default().max_inflight_executions(16))
+        .unwrap();
+    for round in 0..4u64 {
+        let refs: Vec<_> = (0..16u64)
+            .map(|i| g.execute(round * 16 + i).unwrap())
+            .collect();
+        for (i, r) in refs.into_iter().enumerate() {
+            let x = (round * 16 + i as u64) as f64;
+            // 4 elements of (x + 1) and of ((x + 1 + 100) + 100).
+            let want = 4.0 * ((x + 1.0) + (x + 201.0));
+            for total in r {
+                assert_eq!(total.get_timeout(GET).unwrap(), want, "execution {x}");
+            }
+        }
+    }
+}

@@ -9,6 +9,7 @@ use super::method::{TaskBuilder, find};
 use super::observe::{BUSY_SAMPLE, Recorder, bump, mono_ns};
 use super::op::Op;
 use super::{Actor, MethodEntry};
+use crate::channel::Holding;
 use crate::channel::wait::{DEFAULT_SPIN, SpinPolicy};
 use crate::compile::plan::{GraphPlan, Loc, OpSpec, Stage};
 use crate::error::Result;
@@ -115,6 +116,14 @@ fn serve_between(host: &mut dyn ErasedHost, control: &Receiver<Control>) {
     }
 }
 
+/// An actor's schedule, built: its operations, what keeps its communicators, and the frames
+/// its network writers hold back.
+struct Installed<A> {
+    ops: Vec<Op<A>>,
+    guard: CommGuard,
+    holding: Arc<Holding>,
+}
+
 pub(crate) struct Host<A: Actor> {
     pub actor: A,
     pub id: u64,
@@ -131,10 +140,14 @@ impl<A: Actor> Host<A> {
         plan: &GraphPlan,
         chans: &GraphChannels,
         comms: &CommMap,
-    ) -> Result<(Vec<Op<A>>, CommGuard), String> {
+    ) -> Result<Installed<A>, String> {
         let me = Loc::Actor(self.id);
         let Some(mine) = plan.actors.iter().find(|a| a.actor == self.id) else {
-            return Ok((Vec::new(), CommCtx::<A>::default().guard()));
+            return Ok(Installed {
+                ops: Vec::new(),
+                guard: CommCtx::<A>::default().guard(),
+                holding: Arc::default(),
+            });
         };
         let mut b = TaskBuilder::new(plan, me, chans, self.name.clone());
         b.comm = CommCtx::new(comms.clone(), &mine.ops);
@@ -181,7 +194,14 @@ impl<A: Actor> Host<A> {
                 OpSpec::Write { edge } => b.writes.remove(edge),
                 OpSpec::Compute { node, .. } | OpSpec::Split { node, .. } => computes.remove(node),
                 OpSpec::Recv { .. } | OpSpec::Send { .. } | OpSpec::Collective { .. } => {
-                    b.comm.take(op)
+                    b.comm.take(op).map(|mut comm| {
+                        // A communicator operation may wait on a peer: nothing stays held.
+                        let holding = b.holding.clone();
+                        Box::new(move |actor: &mut A| {
+                            holding.release()?;
+                            comm(actor)
+                        }) as Op<A>
+                    })
                 }
             };
             ops.push(
@@ -189,7 +209,11 @@ impl<A: Actor> Host<A> {
             );
         }
         let guard = b.comm.guard();
-        Ok((ops, guard))
+        Ok(Installed {
+            ops,
+            guard,
+            holding: b.holding,
+        })
     }
 }
 
@@ -218,7 +242,11 @@ impl<A: Actor> ErasedHost for Host<A> {
         // Every event of the actor's methods (and of the loop) carries the actor and the graph:
         // one span for the whole run, entered once, so it costs nothing per execution.
         let _actor = tracing::info_span!("actor", actor = %self.name, graph = plan.graph).entered();
-        let (mut ops, guard) = match self.build(plan, chans, comms) {
+        let Installed {
+            mut ops,
+            guard,
+            holding,
+        } = match self.build(plan, chans, comms) {
             Ok(built) => built,
             Err(e) => {
                 tracing::warn!(error = %e, "installing the schedule failed");
@@ -257,6 +285,9 @@ impl<A: Actor> ErasedHost for Host<A> {
             let mut exec = 0u64;
             'run: loop {
                 if has_calls.as_ref().is_some_and(|c| c.any()) {
+                    // A one-off call may take long: nothing stays held meanwhile (a failed
+                    // connection shows at the next read or write).
+                    let _ = holding.release();
                     serve_between(self, control);
                 }
                 let timed = exec.is_multiple_of(BUSY_SAMPLE);
@@ -289,6 +320,9 @@ impl<A: Actor> ErasedHost for Host<A> {
             let mut exec = 0u64;
             'run: loop {
                 if has_calls.as_ref().is_some_and(|c| c.any()) {
+                    // A one-off call may take long: nothing stays held meanwhile (a failed
+                    // connection shows at the next read or write).
+                    let _ = holding.release();
                     serve_between(self, control);
                 }
                 let _exec = traced.then(|| tracing::trace_span!("execution", exec).entered());
@@ -322,6 +356,8 @@ impl<A: Actor> ErasedHost for Host<A> {
             }
         };
         tracing::debug!(reason = %why, executions = counters.executions.load(std::sync::atomic::Ordering::Relaxed), "schedule stopped");
+        // Frames still held go out (a stop by error leaves the others' channels working).
+        let _ = holding.release();
         // The operations hold the communication thread's queue: drop them first, then
         // destroy the communicators (waking any peer blocked in one) and join the thread.
         drop(ops);

@@ -10,7 +10,7 @@ use super::comm_ops::{self, CommCtx, ScheduleWiring};
 use super::lend::{self, Lender};
 use super::op::Op;
 use crate::channel::slot::LocalSlot;
-use crate::channel::{ChanError, ChannelReader, ChannelWriter, Msg};
+use crate::channel::{ChanError, ChannelReader, ChannelWriter, Holding, Msg};
 use crate::compile::plan::{ArgSource, GraphPlan, Loc};
 use crate::dag::MethodSig;
 use crate::error::{MethodError, TaskError};
@@ -424,6 +424,8 @@ pub(crate) struct TaskBuilder<'a, A> {
     lenders: HashMap<u64, Lender>,
     /// Communicator edges and collectives of this actor.
     pub(crate) comm: CommCtx<A>,
+    /// The small frames this actor's network writers hold back (see [`Holding`]).
+    pub(crate) holding: Arc<Holding>,
 }
 
 impl<'a, A> TaskBuilder<'a, A> {
@@ -443,6 +445,7 @@ impl<'a, A> TaskBuilder<'a, A> {
             writes: HashMap::new(),
             lenders: HashMap::new(),
             comm: Default::default(),
+            holding: Arc::default(),
         }
     }
 
@@ -497,9 +500,18 @@ impl<'a, A> TaskBuilder<'a, A> {
         let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
         let mut reader = self.chans.reader::<T>(self.plan, edge, self.me)?;
         let mut fill = slot.clone();
+        let holding = self.holding.clone();
         self.reads.insert(
             edge,
-            Box::new(move |_: &mut A| fill.write(super::call::read_between(&mut reader)?, None)),
+            Box::new(move |_: &mut A| {
+                if !reader.next_is_here() {
+                    // This read may wait: nothing stays held while it does.
+                    holding.release()?;
+                }
+                let msg = super::call::read_between(&mut reader)?;
+                holding.note_read(reader.next_is_here());
+                fill.write(msg, None)
+            }),
         );
         self.slots.insert(edge, slot.clone());
         Ok(slot)
@@ -519,9 +531,9 @@ impl<'a, A> TaskBuilder<'a, A> {
         if plan.has_channel() {
             // Shared by the write below and the lender of the method's run: they never
             // overlap (the write comes after the method returns, on the same thread).
-            let writer = Rc::new(std::cell::RefCell::new(
-                self.chans.writer::<T>(self.plan, edge, self.me)?,
-            ));
+            let mut writer = self.chans.writer::<T>(self.plan, edge, self.me)?;
+            writer.hold_in(&self.holding);
+            let writer = Rc::new(std::cell::RefCell::new(writer));
             let lend_from = writer.clone();
             self.lenders.insert(
                 edge,

@@ -25,6 +25,7 @@ pub(crate) mod local;
 #[cfg(all(test, loom))]
 mod loom_tests;
 pub(crate) mod net;
+pub(crate) use net::Holding;
 pub(crate) mod shm;
 pub(crate) mod slot;
 pub(crate) mod wait;
@@ -75,6 +76,10 @@ pub(crate) trait ChannelWriter<T> {
     fn loan(&mut self, _len: usize) -> Option<BufferMut> {
         None
     }
+
+    /// Lets this end hold small frames back under `holding`'s rules (an actor's writer); ends
+    /// that send nothing through system calls ignore it.
+    fn hold_in(&mut self, _holding: &Arc<Holding>) {}
 }
 
 /// The reading end of a channel, whatever its kind.
@@ -82,6 +87,12 @@ pub(crate) trait ChannelReader<T> {
     /// Reads the next message, waiting until `deadline` (`None`: until the channel closes).
     /// Messages written before a close are still delivered, then the close.
     fn read(&mut self, deadline: Option<Instant>) -> Result<Msg<T>, ChanError>;
+
+    /// Whether the next message is whole at hand, so that the next read cannot wait; `false`
+    /// where the kind cannot tell cheaply.
+    fn next_is_here(&self) -> bool {
+        false
+    }
 }
 
 /// A writing end that can cross threads (the driver's, or one an actor builds and keeps).
@@ -182,5 +193,11 @@ impl<T: Clone> ChannelWriter<T> for FanOut<T> {
 
     fn moves_values(&self) -> bool {
         !self.moving.is_empty()
+    }
+
+    fn hold_in(&mut self, holding: &Arc<Holding>) {
+        for end in self.encoding.iter_mut().chain(&mut self.moving) {
+            end.hold_in(holding);
+        }
     }
 }

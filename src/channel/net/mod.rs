@@ -22,6 +22,12 @@
 //!   both ends at once. A message is never cut: a write whose deadline passes before its first
 //!   byte fails with a timeout and sends nothing; once begun, it is finished (or the channel
 //!   closed). A read whose deadline passes keeps what arrived and resumes at the next read.
+//! - **Held frames.** An actor's writers may hold small frames back while the actor already has
+//!   its next input whole in hand, and send them together, one system call for several frames
+//!   ([`Holding`]). Under a pipeline of small messages the system calls are most of the cost
+//!   (each send also runs the loopback receive), so a stage that is behind catches up in
+//!   batches instead of one frame per call. Nothing is held while the actor waits, and
+//!   nothing for long: see [`Holding`].
 //! - **Hostile peers.** A header naming a frame over the ceiling, or a frame that does not
 //!   decode, is a typed error: nothing is allocated past the ceiling and nothing panics.
 use super::shm::ShmWriter;
@@ -29,9 +35,12 @@ use super::shm::{TAG_ERROR, TAG_VALUE};
 use super::wait::SpinPolicy;
 use super::{ChanError, ChannelReader, ChannelWriter, EndCounters, Msg, bump};
 use crate::buffer::Recycler;
+use crate::clock::mono_ns;
 use crate::error::TaskError;
 use crate::value::frame;
 use bytes::Bytes;
+pub(crate) use hold::Holding;
+use hold::{HOLD_BYTES, HOLD_FRAME};
 use rustix::event::{PollFd, PollFlags, Timespec};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -40,6 +49,8 @@ use std::marker::PhantomData;
 use std::net::{Shutdown, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod hold;
 
 /// Bytes before each frame: its length (u64 LE), its tag, 7 reserved.
 pub(crate) const HEADER: usize = 16;
@@ -100,35 +111,104 @@ pub(crate) fn shut(stream: &TcpStream) {
 
 /// The writer's end of a network channel, for values of type `T`.
 pub(crate) struct NetTx<T> {
-    stream: TcpStream,
+    /// The connection and what is pending on it; shared with the [`Holding`] of the actor
+    /// that writes here, which sends held frames before the actor waits.
+    out: Arc<parking_lot::Mutex<Outgoing>>,
     /// The ceiling of one message.
     limit: usize,
     counters: Option<Arc<EndCounters>>,
-    /// Frames the socket did not take at once, finished in order by a thread; made at the
-    /// first such frame.
-    backlog: Option<Backlog>,
+    /// Where this writer may hold small frames back (actors' writers only).
+    holding: Option<Arc<Holding>>,
     _t: PhantomData<fn(T)>,
 }
 
-/// A frame, and how much of it is out.
+/// One writer's connection, with its frames not yet handed to the socket.
+struct Outgoing {
+    stream: TcpStream,
+    /// Frames the socket did not take at once, finished in order by a thread; made at the
+    /// first such frame.
+    backlog: Option<Backlog>,
+    /// Whole frames (headers included) held back, in order, and how many.
+    held: Vec<u8>,
+    held_frames: usize,
+    /// When the first of them was held ([`mono_ns`]).
+    held_since: u64,
+    /// Why the flusher could not send held frames, for the writer's next write.
+    failed: Option<ChanError>,
+}
+
+impl Outgoing {
+    /// Sends `unsent` now, or what the socket does not take through the backlog: in order
+    /// behind everything before it.
+    fn send(&mut self, mut unsent: Unsent) -> Result<(), ChanError> {
+        if let Some(b) = &self.backlog
+            && b.busy()
+        {
+            return b.hand_over(unsent);
+        }
+        if !unsent.push(&self.stream)? {
+            // The rest goes out behind the writer's back; it does not wait for its reader.
+            if self.backlog.is_none() {
+                self.backlog = Some(Backlog::start(&self.stream)?);
+            }
+            self.backlog.as_ref().expect("started").hand_over(unsent)?;
+        }
+        Ok(())
+    }
+
+    /// The held frames, to go out before whatever follows them; `holding` counts them out.
+    fn take_held(&mut self, holding: Option<&Holding>) -> Vec<u8> {
+        if let Some(h) = holding {
+            h.left(self.held_frames);
+        }
+        self.held_frames = 0;
+        std::mem::take(&mut self.held)
+    }
+
+    /// Sends every held frame.
+    fn release(&mut self, holding: &Holding) -> Result<(), ChanError> {
+        if self.held.is_empty() {
+            return Ok(());
+        }
+        let prefix = self.take_held(Some(holding));
+        self.send(Unsent {
+            prefix,
+            frame: None,
+            sent: 0,
+        })
+    }
+}
+
+/// Frames going out on a connection, and how much of them is out: held frames first (whole,
+/// headers included), then one frame as encoded.
 struct Unsent {
-    header: [u8; HEADER],
-    frame: frame::Gathered,
+    prefix: Vec<u8>,
+    frame: Option<([u8; HEADER], frame::Gathered)>,
     sent: usize,
 }
 
 impl Unsent {
     /// Sends what the socket takes now; whether the frame is out.
     fn push(&mut self, stream: &TcpStream) -> Result<bool, ChanError> {
-        // The slices borrow the header and the frame, not the count of what is out.
-        let mut all = Vec::with_capacity(2 + 2 * self.frame.attachments.len());
-        all.push(IoSlice::new(&self.header));
-        all.push(IoSlice::new(&self.frame.head));
-        for (pad, data) in &self.frame.attachments {
-            if *pad > 0 {
-                all.push(IoSlice::new(&ZEROS[..*pad]));
+        // The slices borrow the frames, not the count of what is out.
+        let mut all = Vec::with_capacity(
+            3 + self
+                .frame
+                .as_ref()
+                .map_or(0, |(_, f)| 2 * f.attachments.len()),
+        );
+        if !self.prefix.is_empty() {
+            all.push(IoSlice::new(&self.prefix));
+        }
+        if let Some((header, frame)) = &self.frame {
+            all.push(IoSlice::new(header));
+            all.push(IoSlice::new(&frame.head));
+            for (pad, data) in &frame.attachments {
+                if *pad > 0 {
+                    all.push(IoSlice::new(&ZEROS[..*pad]));
+                }
+                all.push(IoSlice::new(data));
             }
-            all.push(IoSlice::new(data));
         }
         let mut slices = &mut all[..];
         IoSlice::advance_slices(&mut slices, self.sent);
@@ -217,10 +297,17 @@ impl Backlog {
 impl<T> NetTx<T> {
     pub(crate) fn new(stream: TcpStream, limit: usize) -> Self {
         NetTx {
-            stream,
+            out: Arc::new(parking_lot::Mutex::new(Outgoing {
+                stream,
+                backlog: None,
+                held: Vec::new(),
+                held_frames: 0,
+                held_since: 0,
+                failed: None,
+            })),
             limit,
             counters: None,
-            backlog: None,
+            holding: None,
             _t: PhantomData,
         }
     }
@@ -256,35 +343,64 @@ impl<T> NetTx<T> {
         let mut header = [0u8; HEADER];
         header[..8].copy_from_slice(&(g.total as u64).to_le_bytes());
         header[8] = tag;
-        let mut unsent = Unsent {
-            header,
-            frame: g,
-            sent: 0,
-        };
-        let total = unsent.frame.total;
-        if let Some(b) = &self.backlog {
-            if let Some(e) = b.failed.lock().take() {
-                return Err(e);
-            }
-            if b.busy() {
-                // Behind the frames still going out: in order.
-                b.hand_over(unsent)?;
-                self.count(total);
+        let total = g.total;
+        let mut out = self.out.lock();
+        if let Some(e) = out.failed.take() {
+            return Err(e);
+        }
+        if let Some(b) = &out.backlog
+            && let Some(e) = b.failed.lock().take()
+        {
+            return Err(e);
+        }
+        if let Some(h) = &self.holding
+            && h.holds()
+            && Self::hold(&mut out, h, &header, &g)
+        {
+            self.count(total);
+            if mono_ns().saturating_sub(out.held_since) < h.hold_max_ns() {
                 return Ok(());
             }
+            return out.release(h);
         }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
+        let prefix = out.take_held(self.holding.as_deref());
+        if prefix.is_empty() && deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(ChanError::Timeout);
         }
-        if !unsent.push(&self.stream)? {
-            // The rest goes out behind the writer's back; it does not wait for its reader.
-            if self.backlog.is_none() {
-                self.backlog = Some(Backlog::start(&self.stream)?);
-            }
-            self.backlog.as_ref().expect("started").hand_over(unsent)?;
-        }
+        out.send(Unsent {
+            prefix,
+            frame: Some((header, g)),
+            sent: 0,
+        })?;
         self.count(total);
         Ok(())
+    }
+
+    /// Holds the frame back on `out` when it is small and there is room; whether it did.
+    fn hold(
+        out: &mut Outgoing,
+        h: &Arc<Holding>,
+        header: &[u8; HEADER],
+        g: &frame::Gathered,
+    ) -> bool {
+        let len = HEADER + g.total;
+        let busy = out.backlog.as_ref().is_some_and(Backlog::busy);
+        if len > HOLD_FRAME || out.held.len() + len > HOLD_BYTES || busy {
+            return false;
+        }
+        if out.held.is_empty() {
+            out.held_since = mono_ns();
+            out.held.reserve(HOLD_BYTES);
+        }
+        out.held.extend_from_slice(header);
+        out.held.extend_from_slice(&g.head);
+        for (pad, data) in &g.attachments {
+            out.held.extend_from_slice(&ZEROS[..*pad]);
+            out.held.extend_from_slice(data);
+        }
+        out.held_frames += 1;
+        h.held_one();
+        true
     }
 
     fn count(&self, total: usize) {
@@ -308,6 +424,11 @@ impl<T: Serialize> ChannelWriter<T> for NetTx<T> {
 
     fn moves_values(&self) -> bool {
         false
+    }
+
+    fn hold_in(&mut self, holding: &Arc<Holding>) {
+        holding.register(self.out.clone());
+        self.holding = Some(holding.clone());
     }
 }
 
@@ -346,6 +467,16 @@ impl FrameReader {
             spare: Recycler::default(),
             broken: None,
         }
+    }
+
+    /// Whether the next frame is whole in the buffer (the next read takes it without a
+    /// system call).
+    fn has_whole_frame(&self) -> bool {
+        let buffered = &self.ahead[self.at..];
+        self.large.is_none()
+            && buffered.len() >= HEADER
+            && (buffered.len() - HEADER) as u64
+                >= u64::from_le_bytes(buffered[..8].try_into().expect("8 bytes"))
     }
 
     /// Where large frames return their memory when their value is dropped.
@@ -548,6 +679,10 @@ impl<T> NetRx<T> {
 }
 
 impl<T: DeserializeOwned> ChannelReader<T> for NetRx<T> {
+    fn next_is_here(&self) -> bool {
+        self.frames.has_whole_frame()
+    }
+
     fn read(&mut self, deadline: Option<Instant>) -> Result<Msg<T>, ChanError> {
         let (tag, frame) = self.frames.next(deadline)?;
         let frame = if frame.len() + HEADER > READ_AHEAD {
@@ -726,6 +861,109 @@ mod tests {
             assert!(matches!(rx.read(soon()), Err(ChanError::Codec(_))));
             assert!(matches!(rx.read(soon()), Err(ChanError::Codec(_))));
         }
+    }
+
+    /// A writer holding under `holding`, and its reader.
+    fn holding_pair(holding: &Arc<Holding>) -> (NetTx<Vec<u8>>, NetRx<Vec<u8>>) {
+        let (a, b) = pair();
+        let mut tx = NetTx::<Vec<u8>>::new(a, LIMIT);
+        tx.hold_in(holding);
+        (tx, NetRx::new(b, LIMIT, Duration::from_micros(50)))
+    }
+
+    fn value(rx: &mut NetRx<Vec<u8>>, deadline: Option<Instant>) -> Result<Vec<u8>, ChanError> {
+        match rx.read(deadline)? {
+            Msg::Value(v) => Ok(v),
+            Msg::Error(e) => panic!("{e:?}"),
+        }
+    }
+
+    /// Small frames written while the actor has its next input at hand stay held until the
+    /// actor releases them (before a wait), then arrive together, in order; a write once the
+    /// actor stops holding, and a frame too large to hold, send what is held first.
+    #[test]
+    fn held_frames_leave_in_order_on_release_or_with_the_next_sent_frame() {
+        let lasting = Duration::from_secs(3600);
+        let holding = Arc::new(Holding::lasting(lasting, lasting));
+        let (mut tx, mut rx) = holding_pair(&holding);
+        holding.note_read(true);
+        for i in 0..5u8 {
+            tx.write(Msg::Value(vec![i; 3]), soon()).unwrap();
+        }
+        assert_eq!(holding.held(), 5);
+        let briefly = || Some(Instant::now() + Duration::from_millis(50));
+        assert_eq!(value(&mut rx, briefly()), Err(ChanError::Timeout));
+        holding.release().unwrap();
+        assert_eq!(holding.held(), 0);
+        for i in 0..5u8 {
+            assert_eq!(value(&mut rx, soon()).unwrap(), vec![i; 3]);
+        }
+        // Held, then a write after a read that found nothing at hand: both, in order.
+        tx.write(Msg::Value(vec![5]), soon()).unwrap();
+        assert_eq!(holding.held(), 1);
+        holding.note_read(false);
+        tx.write(Msg::Value(vec![6]), soon()).unwrap();
+        assert_eq!(holding.held(), 0);
+        assert_eq!(value(&mut rx, soon()).unwrap(), vec![5]);
+        assert_eq!(value(&mut rx, soon()).unwrap(), vec![6]);
+        // Held, then a frame over the size held back: both, in order, while still holding.
+        holding.note_read(true);
+        tx.write(Msg::Value(vec![7]), soon()).unwrap();
+        let large = vec![8u8; HOLD_FRAME + 1];
+        tx.write(Msg::Value(large.clone()), soon()).unwrap();
+        assert_eq!(holding.held(), 0);
+        assert_eq!(value(&mut rx, soon()).unwrap(), vec![7]);
+        assert_eq!(value(&mut rx, soon()).unwrap(), large);
+        // Errors are held and sent in their place like values.
+        tx.write(
+            Msg::Error(Arc::new(TaskError::new("a", "f", "held"))),
+            soon(),
+        )
+        .unwrap();
+        tx.write(Msg::Value(vec![9]), soon()).unwrap();
+        assert_eq!(holding.held(), 2);
+        holding.release().unwrap();
+        match rx.read(soon()).unwrap() {
+            Msg::Error(e) => assert_eq!(e.message, "held"),
+            Msg::Value(v) => panic!("expected the error frame, got {v:?}"),
+        }
+        assert_eq!(value(&mut rx, soon()).unwrap(), vec![9]);
+    }
+
+    /// Frames held longer than the bound leave: at the next write, or through the flusher
+    /// thread while the actor writes nothing (a long method call); the flusher ends with its
+    /// holding.
+    #[test]
+    fn old_held_frames_leave_by_the_next_write_or_the_flusher() {
+        let at_once = Arc::new(Holding::lasting(Duration::ZERO, Duration::from_secs(3600)));
+        let (mut tx, mut rx) = holding_pair(&at_once);
+        at_once.note_read(true);
+        tx.write(Msg::Value(vec![1]), soon()).unwrap();
+        tx.write(Msg::Value(vec![2]), soon()).unwrap();
+        assert_eq!(at_once.held(), 0);
+        assert_eq!(value(&mut rx, soon()).unwrap(), vec![1]);
+        assert_eq!(value(&mut rx, soon()).unwrap(), vec![2]);
+
+        let flushed = Arc::new(Holding::lasting(
+            Duration::from_secs(3600),
+            Duration::from_millis(1),
+        ));
+        let (mut tx, mut rx) = holding_pair(&flushed);
+        flushed.note_read(true);
+        for round in 0..3u8 {
+            tx.write(Msg::Value(vec![round; 10]), soon()).unwrap();
+            // Nobody releases: the flusher sends it.
+            assert_eq!(value(&mut rx, soon()).unwrap(), vec![round; 10]);
+            // Long enough for the flusher to fall asleep between the rounds.
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        assert_eq!(flushed.held(), 0);
+        let flusher = Arc::downgrade(&flushed);
+        drop((tx, flushed));
+        assert!(
+            flusher.upgrade().is_none(),
+            "the holding outlived its writers"
+        );
     }
 
     proptest::proptest! {
