@@ -218,7 +218,13 @@ def plot(adag, ray, path, title):
     xs = range(len(thr_keys))
     for off, label, d, color in ((-w / 2, "adag", adag, "tab:blue"), (w / 2, "Ray Compiled Graphs", ray, "tab:orange")):
         vals = [(d.get(k) or {}).get("throughput_per_s") for k in thr_keys]
-        ax.bar([x + off for x, v in zip(xs, vals) if v is not None], [v for v in vals if v is not None], w, label=label, color=color)
+        if any(v is not None for v in vals):
+            ax.bar([x + off for x, v in zip(xs, vals) if v is not None], [v for v in vals if v is not None], w, label=label, color=color)
+        for x, k, v in zip(xs, thr_keys, vals):
+            if v is None and k in d:
+                ax.annotate("n/a", (x + off, 0.02), xycoords=("data", "axes fraction"), ha="center", fontsize=7, rotation=90)
+    # A lone bar would otherwise be stretched over the whole axis.
+    ax.set_xlim(-0.75, len(thr_keys) - 0.25)
     ax.set_yscale("log")
     ax.set_ylabel("executions/s (log)")
     ax.set_xticks(list(xs))
