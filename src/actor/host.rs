@@ -358,9 +358,11 @@ impl<A: Actor> ErasedHost for Host<A> {
         tracing::debug!(reason = %why, executions = counters.executions.load(std::sync::atomic::Ordering::Relaxed), "schedule stopped");
         // Frames still held go out (a stop by error leaves the others' channels working).
         let _ = holding.release();
-        // The operations hold the communication thread's queue: drop them first, then
+        // The operations hold the communication thread's queue: drop them first (with the
+        // holding, which shares their network connections: they close now, as before), then
         // destroy the communicators (waking any peer blocked in one) and join the thread.
         drop(ops);
+        drop(holding);
         drop(guard);
         why
     }
