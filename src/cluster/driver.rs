@@ -592,6 +592,19 @@ impl ClusterDriver {
                         Err(WireError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                             break "its connection closed (the agent exited)".to_string();
                         }
+                        // A peer that exits with bytes unread resets the connection instead of
+                        // closing it: the same departure, said the same way.
+                        Err(WireError::Io(e))
+                            if matches!(
+                                e.kind(),
+                                std::io::ErrorKind::ConnectionReset
+                                    | std::io::ErrorKind::ConnectionAborted
+                            ) =>
+                        {
+                            break format!(
+                                "its connection closed abruptly ({e}: the agent exited, or its host went down)"
+                            );
+                        }
                         Err(e) => break format!("its connection failed: {e}"),
                     }
                 };

@@ -364,6 +364,7 @@ impl<T> NetTx<T> {
             return out.release(h);
         }
         let prefix = out.take_held(self.holding.as_deref());
+        // Held frames were written already: they go out whatever this write's deadline.
         if prefix.is_empty() && deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(ChanError::Timeout);
         }
