@@ -101,10 +101,13 @@ fn serve(host: &mut dyn ErasedHost, request: Control, calls: &Calls) -> Option<R
 }
 
 /// Between two executions of a graph's schedule: runs every queued one-off call.
-fn serve_between(host: &mut dyn ErasedHost, control: &Receiver<Control>) {
+fn serve_between(host: &mut dyn ErasedHost, control: &Receiver<Control>, holding: &Holding) {
     let Some(calls) = calls_here() else {
         return;
     };
+    // A one-off call may take long: nothing stays held meanwhile (a failed connection shows
+    // at the next read or write).
+    let _ = holding.release();
     while let Ok(request) = control.try_recv() {
         if let Some(run) = serve(host, request, &calls) {
             // The actor belongs to the running graph: no other can have claimed it.
@@ -285,10 +288,7 @@ impl<A: Actor> ErasedHost for Host<A> {
             let mut exec = 0u64;
             'run: loop {
                 if has_calls.as_ref().is_some_and(|c| c.any()) {
-                    // A one-off call may take long: nothing stays held meanwhile (a failed
-                    // connection shows at the next read or write).
-                    let _ = holding.release();
-                    serve_between(self, control);
+                    serve_between(self, control, &holding);
                 }
                 let timed = exec.is_multiple_of(BUSY_SAMPLE);
                 for (i, (op, compute)) in ops.iter_mut().zip(&computes).enumerate() {
@@ -320,10 +320,7 @@ impl<A: Actor> ErasedHost for Host<A> {
             let mut exec = 0u64;
             'run: loop {
                 if has_calls.as_ref().is_some_and(|c| c.any()) {
-                    // A one-off call may take long: nothing stays held meanwhile (a failed
-                    // connection shows at the next read or write).
-                    let _ = holding.release();
-                    serve_between(self, control);
+                    serve_between(self, control, &holding);
                 }
                 let _exec = traced.then(|| tracing::trace_span!("execution", exec).entered());
                 for (i, op) in ops.iter_mut().enumerate() {

@@ -179,6 +179,21 @@ impl Outgoing {
     }
 }
 
+/// A frame's bytes on the stream, in order: its header, its head, then each attachment after
+/// its padding.
+fn frame_parts<'a>(
+    header: &'a [u8; HEADER],
+    frame: &'a frame::Gathered,
+) -> impl Iterator<Item = &'a [u8]> {
+    [&header[..], &frame.head[..]].into_iter().chain(
+        frame
+            .attachments
+            .iter()
+            .flat_map(|(pad, data)| [&ZEROS[..*pad], &data[..]])
+            .filter(|part| !part.is_empty()),
+    )
+}
+
 /// Frames going out on a connection, and how much of them is out: held frames first (whole,
 /// headers included), then one frame as encoded.
 struct Unsent {
@@ -201,14 +216,7 @@ impl Unsent {
             all.push(IoSlice::new(&self.prefix));
         }
         if let Some((header, frame)) = &self.frame {
-            all.push(IoSlice::new(header));
-            all.push(IoSlice::new(&frame.head));
-            for (pad, data) in &frame.attachments {
-                if *pad > 0 {
-                    all.push(IoSlice::new(&ZEROS[..*pad]));
-                }
-                all.push(IoSlice::new(data));
-            }
+            all.extend(frame_parts(header, frame).map(IoSlice::new));
         }
         let mut slices = &mut all[..];
         IoSlice::advance_slices(&mut slices, self.sent);
@@ -393,11 +401,8 @@ impl<T> NetTx<T> {
             out.held_since = mono_ns();
             out.held.reserve(HOLD_BYTES);
         }
-        out.held.extend_from_slice(header);
-        out.held.extend_from_slice(&g.head);
-        for (pad, data) in &g.attachments {
-            out.held.extend_from_slice(&ZEROS[..*pad]);
-            out.held.extend_from_slice(data);
+        for part in frame_parts(header, g) {
+            out.held.extend_from_slice(part);
         }
         out.held_frames += 1;
         h.held_one();
