@@ -6,7 +6,7 @@
 //!
 //! [loom]: https://docs.rs/loom
 
-#[cfg(all(test, loom))]
+#[cfg(loom)]
 pub(crate) use loom::cell::UnsafeCell;
 #[cfg(loom)]
 pub(crate) use loom::{
@@ -15,7 +15,7 @@ pub(crate) use loom::{
     thread,
 };
 
-#[cfg(all(test, not(loom)))]
+#[cfg(not(loom))]
 pub(crate) use self::std_impl::UnsafeCell;
 #[cfg(not(loom))]
 pub(crate) use std::{
@@ -24,11 +24,11 @@ pub(crate) use std::{
     thread,
 };
 
-#[cfg(all(test, not(loom)))]
+#[cfg(not(loom))]
 mod std_impl {
     /// `std::cell::UnsafeCell` with loom's closure API (`with`, `with_mut`), so that code using
-    /// it can be checked by loom, which tracks every access to the cell. Only the ring tests
-    /// use it for now (slot contents); widen the `cfg` when non-test code needs it.
+    /// it can be checked by loom, which tracks every access to the cell: the slots of the
+    /// in-process ring and the ring tests' slot contents.
     #[derive(Debug, Default)]
     pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
 

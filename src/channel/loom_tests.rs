@@ -183,3 +183,60 @@ fn close_wakes_a_blocked_reader() {
         closer.join().unwrap();
     });
 }
+
+/// The in-process queue: the writer laps a one-slot queue while the reader takes two values
+/// out; the third stays in the queue and is dropped with it. A torn read (the writer's next
+/// write racing the reader's move) is a race on the slot's cell; a value dropped twice or
+/// never is a double drop or a leaked `Arc`, which loom reports.
+#[test]
+fn local_queue_hands_over_every_value_once() {
+    loom::model(|| {
+        let (mut tx, mut rx) = super::local::ring::queue::<Arc<u64>>(1);
+        let consumer = thread::spawn(move || {
+            let mut got = Vec::new();
+            while got.len() < 2 {
+                match rx.pop() {
+                    Some(v) => got.push(*v),
+                    None => thread::yield_now(),
+                }
+            }
+            got
+        });
+        for seq in 0..3 {
+            let mut v = Arc::new(value(seq));
+            while let Err(back) = tx.push(v) {
+                v = back;
+                thread::yield_now();
+            }
+        }
+        assert_eq!(consumer.join().unwrap(), vec![value(0), value(1)]);
+    });
+}
+
+/// A reader that sees the writer gone and pops once more gets the writer's last value.
+#[test]
+fn local_queue_drains_after_the_writer_left() {
+    loom::model(|| {
+        let (mut tx, mut rx) = super::local::ring::queue::<u64>(2);
+        let producer = thread::spawn(move || {
+            tx.push(value(0)).unwrap();
+            tx.push(value(1)).unwrap();
+        });
+        let mut got = Vec::new();
+        loop {
+            if let Some(v) = rx.pop() {
+                got.push(v);
+            } else if rx.is_abandoned() {
+                break;
+            } else {
+                thread::yield_now();
+            }
+        }
+        // Seeing the writer gone (acquire), the reader sees every value it pushed.
+        while let Some(v) = rx.pop() {
+            got.push(v);
+        }
+        assert_eq!(got, vec![value(0), value(1)]);
+        producer.join().unwrap();
+    });
+}

@@ -5,9 +5,10 @@
 //!
 //! ```text
 //! 0               ShmHeader: magic, version, config, growth state (atomics)
-//! 128-aligned     RingControl: write_seq, data/space wait cells, closed
+//! 128-aligned     RingControl: data/space wait cells, closed
 //! 128-aligned     Cursor × readers (128 bytes each)
-//! 128-aligned     SlotMeta × depth: (offset, len, tag) of the payload in each slot
+//! 128-aligned     slot lines × depth (128 bytes each): SlotMeta (the ring's stamp, where
+//!                 the payload is, its tag), then up to INLINE_BYTES of a small payload
 //! page-aligned    block of slot 0: BlockHeader (64 bytes: pin count), payload
 //!                 block of slot 1, ... block of slot depth - 1 (stride0 bytes each)
 //!                 blocks added later (growth, pinned blocks replaced) ...
@@ -41,6 +42,17 @@
 //! Only when the address space reserved for the channel is used up by pinned blocks does the
 //! writer wait for readers to drop what they keep (up to its deadline, or the channel's close).
 //!
+//! # Small payloads in the slot's line
+//!
+//! A frame of at most [`INLINE_BYTES`] (a number, a short string, a small pickle) is written
+//! right after its slot's [`SlotMeta`], in the 128 bytes the slot has anyway, instead of in
+//! the slot's block: the reader, which polls the slot's stamp there, finds the payload on the
+//! line it already fetched, one cross-core transfer instead of two. The writer tries there
+//! first while the channel's frames are that small (a failed try costs a size pass over the
+//! value, so it stops trying after a larger one). Such a frame is never kept in place: it
+//! holds no attachment (those are at least `OUT_OF_BAND_MIN` bytes), and its memory is the
+//! slot's, reused by the next message.
+//!
 //! # References: a payload written once
 //!
 //! A payload that already lies in a pinned block (one read in place, kept by a value) is not
@@ -73,11 +85,18 @@ use crate::value::frame::{Location, Sharing};
 use bytes::Bytes;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"adag-shm");
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 /// Limits that keep the layout arithmetic far from overflow.
 const MAX_DEPTH: u32 = 1 << 16;
 const MAX_READERS: u32 = 1 << 12;
 const MAX_MESSAGE_BYTES: usize = 1 << 40;
+
+/// Bytes of shared memory per slot: its [`SlotMeta`], then room for a small payload.
+const SLOT_LINE: usize = 128;
+/// Where a small payload starts in its slot's line: right after the [`SlotMeta`].
+const INLINE_AT: usize = 32;
+/// The largest frame written in its slot's line (see the module docs).
+const INLINE_BYTES: usize = SLOT_LINE - INLINE_AT;
 
 /// Bytes before the payload in every block: its [`BlockHeader`].
 const BLOCK_HEADER: usize = 64;
@@ -161,15 +180,21 @@ struct BlockHeader {
 
 const _: () = assert!(size_of::<BlockHeader>() == BLOCK_HEADER);
 
-/// Where the payload of the message in a slot is (inside a block, right after its header).
-/// Written by the writer before it publishes.
-#[repr(C, align(128))]
+/// Where the payload of the message in a slot is: inside a block, right after its header, or
+/// in the slot's own line, right after this. Written by the writer before it publishes, which
+/// stores `stamp` (the ring's, see [`RingMemory::stamp`]): a reader polls the line it reads
+/// next. The first [`INLINE_AT`] bytes of the slot's [`SLOT_LINE`]; the rest is a small
+/// payload's, reached by raw pointer as block payloads are (so no reference covers it).
+#[repr(C, align(32))]
 #[derive(Debug)]
 struct SlotMeta {
+    stamp: AtomicU64,
     offset: AtomicU64,
     len: AtomicU64,
     tag: AtomicU32,
 }
+
+const _: () = assert!(size_of::<SlotMeta>() == INLINE_AT && SLOT_LINE.is_multiple_of(128));
 
 /// Types that may be viewed in place in the mapping.
 ///
@@ -237,8 +262,7 @@ impl Layout {
         let control = size_of::<ShmHeader>().next_multiple_of(128);
         let cursors = (control + size_of::<RingControl>()).next_multiple_of(128);
         let slots = cursors + cfg.readers as usize * size_of::<Cursor>();
-        let payload_start =
-            (slots + cfg.depth as usize * size_of::<SlotMeta>()).next_multiple_of(page);
+        let payload_start = (slots + cfg.depth as usize * SLOT_LINE).next_multiple_of(page);
         let initial_stride = (cfg.slot_bytes + BLOCK_HEADER).next_multiple_of(page);
         let max_stride = (cfg.max_message_bytes + BLOCK_HEADER).next_multiple_of(page);
         let reserve = cfg.depth as usize * RESERVED_STRIDES_PER_SLOT;
@@ -303,8 +327,18 @@ impl ShmShared {
     }
 
     fn slot(&self, seq: u64) -> &SlotMeta {
+        self.at(self.slot_line(seq))
+    }
+
+    /// Offset of the line of the slot of `seq`.
+    fn slot_line(&self, seq: u64) -> usize {
         let index = (seq % u64::from(self.depth)) as usize;
-        self.at(self.layout.slots + index * size_of::<SlotMeta>())
+        self.layout.slots + index * SLOT_LINE
+    }
+
+    /// Offset of the room for a small payload in the line of the slot of `seq`.
+    fn inline_at(&self, seq: u64) -> usize {
+        self.slot_line(seq) + INLINE_AT
     }
 
     /// The header of the block at `at`, below the file length `file_len`.
@@ -366,6 +400,10 @@ impl RingMemory for Arc<ShmShared> {
     fn cursor(&self, index: u32) -> &Cursor {
         assert!(index < self.readers, "reader index out of range");
         self.at(self.layout.cursors + index as usize * size_of::<Cursor>())
+    }
+
+    fn stamp(&self, seq: u64) -> &AtomicU64 {
+        &self.slot(seq).stamp
     }
 }
 
@@ -516,7 +554,11 @@ impl ShmChannel {
             stride: layout.initial_stride,
             file_len: self.shared.header().file_len.load(Ordering::Acquire) as usize,
         };
-        ShmWriter { ring, blocks }
+        ShmWriter {
+            ring,
+            blocks,
+            small_frames: true,
+        }
     }
 
     /// The reading end of reader `index`.
@@ -789,6 +831,8 @@ impl Blocks {
 pub(crate) struct ShmWriter {
     ring: RingWriter<Arc<ShmShared>>,
     blocks: Blocks,
+    /// Whether the next frame is first tried in its slot's line: the last one fitted there.
+    small_frames: bool,
 }
 
 impl ShmWriter {
@@ -823,10 +867,11 @@ impl ShmWriter {
         )))
     }
 
-    /// Writes one message of kind `tag`. `encode` gets the slot's payload buffer (64-byte
-    /// aligned) and returns `Ok(bytes written)`, or `Err(bytes needed)` when the message does
-    /// not fit; the writer then grows the channel and calls it again. Waits for a free slot
-    /// until `deadline`.
+    /// Writes one message of kind `tag`. `encode` gets a payload buffer (the room in the
+    /// slot's line while frames are small, else the slot's block, 64-byte aligned) and returns
+    /// `Ok(bytes written)`, or `Err(bytes needed)` when the message does not fit; the writer
+    /// then tries the block, or grows the channel, and calls it again. Waits for a free slot
+    /// until `deadline`. Returns how many times the channel grew for this message.
     ///
     /// A message over `max_message_bytes` fails with [`RingError::TooLarge`] and is not sent;
     /// the channel stays usable. `Err(n)` with `n` not above the buffer's length is a broken
@@ -836,11 +881,50 @@ impl ShmWriter {
         tag: u8,
         encode: &mut dyn FnMut(&mut [u8]) -> Result<usize, usize>,
         deadline: Option<Instant>,
-    ) -> Result<(), RingError> {
+    ) -> Result<u64, RingError> {
         let seq = self.ring.reserve(deadline)?;
+        let mut growths = 0;
         let shared = self.ring.memory();
         let limit = shared.max_message_bytes;
         let slot = (seq % u64::from(shared.depth)) as usize;
+        if self.small_frames {
+            let at = shared.inline_at(seq);
+            let capacity = INLINE_BYTES.min(limit);
+            assert!(
+                at + capacity <= shared.layout.payload_start,
+                "slot line out of the header"
+            );
+            // SAFETY: the range is inside the mapping's header part (asserted), which is
+            // backed from creation on, and no reference covers it (`SlotMeta` ends where it
+            // starts). Nobody else touches it until the publish below: `reserve` saw every
+            // reader release the slot's previous message (acquire), and a small frame is
+            // never kept past its release (see the module docs).
+            let room = unsafe {
+                std::slice::from_raw_parts_mut(shared.map.as_mut_ptr().add(at), capacity)
+            };
+            match encode(room) {
+                Ok(len) if len <= capacity => {
+                    let meta = shared.slot(seq);
+                    meta.offset.store(at as u64, Ordering::Relaxed);
+                    meta.len.store(len as u64, Ordering::Relaxed);
+                    meta.tag.store(u32::from(tag), Ordering::Relaxed);
+                    self.ring.publish();
+                    return Ok(growths);
+                }
+                Ok(len) => {
+                    return Err(RingError::Corrupt(format!(
+                        "encoder reported {len} bytes written into a buffer of {capacity}"
+                    )));
+                }
+                Err(needed) if needed > limit => {
+                    return Err(RingError::TooLarge {
+                        size: needed,
+                        limit,
+                    });
+                }
+                Err(_) => self.small_frames = false,
+            }
+        }
         loop {
             let block = self.blocks.ready(shared, slot, deadline)?;
             let capacity = block.capacity().min(limit);
@@ -861,12 +945,13 @@ impl ShmWriter {
             };
             match encode(buffer) {
                 Ok(len) if len <= capacity => {
+                    self.small_frames = len <= INLINE_BYTES;
                     let meta = shared.slot(seq);
                     meta.offset.store(block.payload() as u64, Ordering::Relaxed);
                     meta.len.store(len as u64, Ordering::Relaxed);
                     meta.tag.store(u32::from(tag), Ordering::Relaxed);
                     self.ring.publish();
-                    return Ok(());
+                    return Ok(growths);
                 }
                 Ok(len) => {
                     return Err(RingError::Corrupt(format!(
@@ -884,7 +969,10 @@ impl ShmWriter {
                         "encoder asked for {needed} bytes but was given {capacity}"
                     )));
                 }
-                Err(needed) => self.blocks.grow(shared, needed),
+                Err(needed) => {
+                    growths += 1;
+                    self.blocks.grow(shared, needed);
+                }
             }
         }
     }
@@ -968,16 +1056,20 @@ impl ShmReader {
         let tag = meta.tag.load(Ordering::Relaxed);
         let file_len = shared.header().file_len.load(Ordering::Acquire);
         let end = offset.checked_add(len);
-        let in_bounds = offset >= (shared.layout.payload_start + BLOCK_HEADER) as u64
-            && offset % BLOCK_HEADER as u64 == 0
-            && end.is_some_and(|end| end <= file_len && end <= shared.map.len() as u64)
-            && len <= shared.max_message_bytes as u64;
+        let small = offset == shared.inline_at(seq) as u64;
+        let in_bounds = if small {
+            len <= INLINE_BYTES as u64
+        } else {
+            offset >= (shared.layout.payload_start + BLOCK_HEADER) as u64
+                && offset % BLOCK_HEADER as u64 == 0
+                && end.is_some_and(|end| end <= file_len && end <= shared.map.len() as u64)
+        } && len <= shared.max_message_bytes as u64;
         let (Some(end), true, Ok(tag)) = (end, in_bounds, u8::try_from(tag)) else {
             return Err(RingError::Corrupt(format!(
                 "message {seq}: payload at {offset}+{len} (tag {tag}) is outside the {file_len}-byte memfd"
             )));
         };
-        if end > self.populated {
+        if !small && end > self.populated {
             self.populate_up_to(file_len);
         }
         Ok((tag, offset as usize, len as usize))
@@ -1015,7 +1107,12 @@ impl ShmFrame<'_> {
     }
 
     /// The payload bytes of the block this frame is in: what a [pin](Self::pin) keeps.
+    /// `usize::MAX` for a small frame in its slot's line, which is never kept in place
+    /// (nothing in it fills a quarter of that).
     pub fn block_capacity(&self) -> usize {
+        if self.is_small() {
+            return usize::MAX;
+        }
         let block = self
             .reader
             .memory()
@@ -1026,12 +1123,21 @@ impl ShmFrame<'_> {
     /// Keeps the payload readable, in place, after this frame releases its slot, until the
     /// pin is dropped (on any thread). The writer moves the slot to another block meanwhile.
     pub fn pin(&self) -> ShmPin {
+        assert!(
+            !self.is_small(),
+            "a small frame in its slot's line is never kept in place"
+        );
         let shared = self.reader.memory().clone();
         let block = self.offset - BLOCK_HEADER;
         let end = self.offset + self.data.len();
         // Before the slot's release (in this frame's drop): see `ring::pin`.
         super::ring::pin(&shared.block(block, end).pins);
         ShmPin::hold(shared, block, self.offset, self.data.len())
+    }
+
+    /// Whether the payload is in the slot's line (a small frame) rather than in a block.
+    fn is_small(&self) -> bool {
+        self.offset < self.reader.memory().layout.payload_start
     }
 
     /// How this frame adopts the references it carries (see [`Sharing::adopt`]).
@@ -1360,15 +1466,17 @@ mod tests {
         len: usize,
         deadline: Option<Instant>,
     ) -> Result<(), RingError> {
-        writer.write(
-            CHECKED,
-            &mut |buf: &mut [u8]| {
-                let buf = buf.get_mut(..len).ok_or(len)?;
-                fill(seq, buf);
-                Ok(len)
-            },
-            deadline,
-        )
+        writer
+            .write(
+                CHECKED,
+                &mut |buf: &mut [u8]| {
+                    let buf = buf.get_mut(..len).ok_or(len)?;
+                    fill(seq, buf);
+                    Ok(len)
+                },
+                deadline,
+            )
+            .map(drop)
     }
 
     /// Writes a copy of `data`.
@@ -1378,15 +1486,17 @@ mod tests {
         data: &[u8],
         deadline: Option<Instant>,
     ) -> Result<(), RingError> {
-        writer.write(
-            tag,
-            &mut |buf: &mut [u8]| {
-                let buf = buf.get_mut(..data.len()).ok_or(data.len())?;
-                buf.copy_from_slice(data);
-                Ok(data.len())
-            },
-            deadline,
-        )
+        writer
+            .write(
+                tag,
+                &mut |buf: &mut [u8]| {
+                    let buf = buf.get_mut(..data.len()).ok_or(data.len())?;
+                    buf.copy_from_slice(data);
+                    Ok(data.len())
+                },
+                deadline,
+            )
+            .map(drop)
     }
 
     /// Writes every message read back, unchanged (checking the `CHECKED` ones), until the
@@ -1439,8 +1549,10 @@ mod tests {
                     };
                     thread::spawn(move || {
                         let mut pins = Vec::new();
+                        let mut small = 0;
                         for expected in 0..MESSAGES {
-                            if index == 2 {
+                            // A small frame, in its slot's line, is never pinned.
+                            if index == 2 && message_len(expected) > INLINE_BYTES {
                                 let pin = reader.read(None).unwrap().pin();
                                 assert_eq!(pin.data().len(), message_len(expected));
                                 assert_eq!(check(pin.data()), expected);
@@ -1458,8 +1570,14 @@ mod tests {
                                     (CHECKED, message_len(expected))
                                 );
                                 assert_eq!(check(frame.data()), expected);
+                                if frame.is_small() {
+                                    assert!(frame.data().len() <= INLINE_BYTES);
+                                    small += 1;
+                                }
                             }
                         }
+                        // Small frames come in the slot's line, once the one before was small.
+                        assert!(index == 2 || small > 0, "no small frame in the slot's line");
                         pins.iter().for_each(|pin| _ = check(pin.data()));
                         drop(pins);
                         assert!(matches!(reader.read(None), Err(RingError::Closed)));
@@ -1540,6 +1658,43 @@ mod tests {
             assert_eq!(check(reader.read(after(1000)).unwrap().data()), 0);
             send(&mut writer, 1, 16, after(1000)).unwrap();
             assert_eq!(check(reader.read(after(1000)).unwrap().data()), 1);
+        });
+    }
+
+    /// Frames of up to `INLINE_BYTES` go in the slot's line while the one before did; a
+    /// larger one goes to a block (and a try in the line first is no growth).
+    #[test]
+    fn small_frames_travel_in_the_slot_line() {
+        with_watchdog(WATCHDOG, || {
+            let channel = ShmChannel::create(&config(8, 1, 4096, 1 << 20), "small").unwrap();
+            let (mut writer, mut reader) = (channel.writer(), channel.reader(0));
+            let sizes = [8, INLINE_BYTES, INLINE_BYTES + 1, 8, 8, 9000, 8, 8];
+            let small = [true, true, false, false, true, false, false, true];
+            let mut growths = 0;
+            for (seq, len) in sizes.into_iter().enumerate() {
+                growths += writer
+                    .write(
+                        CHECKED,
+                        &mut |buf: &mut [u8]| {
+                            let buf = buf.get_mut(..len).ok_or(len)?;
+                            fill(seq as u64, buf);
+                            Ok(len)
+                        },
+                        None,
+                    )
+                    .unwrap();
+            }
+            assert_eq!(
+                growths, 1,
+                "only the 9000-byte frame outgrew its 8 KiB block"
+            );
+            for (seq, (len, small)) in sizes.into_iter().zip(small).enumerate() {
+                let frame = reader.read(None).unwrap();
+                assert_eq!(frame.data().len(), len);
+                assert_eq!(check(frame.data()), seq as u64);
+                assert_eq!(frame.is_small(), small, "frame {seq} of {len} bytes");
+                assert_eq!(frame.block_capacity() == usize::MAX, small);
+            }
         });
     }
 

@@ -48,8 +48,6 @@ pub(crate) fn write_encoded<T: Serialize + ?Sized>(
     counters: Option<&EndCounters>,
 ) -> Result<(), ChanError> {
     let mut failure: Option<String> = None;
-    // Counted here rather than in the ring: each `TooSmall` makes the writer grow the channel.
-    let mut attempts = 0u64;
     let mut bytes = 0u64;
     let written = shm.write(
         tag,
@@ -58,10 +56,7 @@ pub(crate) fn write_encoded<T: Serialize + ?Sized>(
                 bytes = len as u64;
                 Ok(len)
             }
-            Err(frame::EncodeError::TooSmall(needed)) => {
-                attempts += 1;
-                Err(needed)
-            }
+            Err(frame::EncodeError::TooSmall(needed)) => Err(needed),
             Err(frame::EncodeError::Failed(e)) => {
                 failure = Some(e);
                 // Over any ceiling: the writer gives up at once, without growing.
@@ -76,10 +71,10 @@ pub(crate) fn write_encoded<T: Serialize + ?Sized>(
             std::any::type_name::<T>()
         )));
     }
-    written?;
+    let growths = written?;
     if let Some(c) = counters {
         bump(&c.bytes, bytes);
-        bump(&c.growths, attempts);
+        bump(&c.growths, growths);
     }
     Ok(())
 }

@@ -3,12 +3,13 @@
 //!
 //! # State
 //!
-//! All shared state is atomics in a [`RingControl`] and one [`Cursor`] per reader, each hot word
-//! on its own 128-byte line. Sequence numbers are `u64` and never wrap in practice.
+//! All shared state is atomics in a [`RingControl`], one [`Cursor`] per reader and one stamp per
+//! slot, each hot word on its own 128-byte line. Sequence numbers are `u64` and never wrap in
+//! practice.
 //!
 //! | word | written by | meaning |
 //! |---|---|---|
-//! | `write_seq` | writer | messages published: sequence `s` is readable iff `s < write_seq` |
+//! | `stamp[s % depth]` | writer | `s + 1` once message `s` is published in that slot |
 //! | `cursor[r]` | reader `r` | reader `r` has released every sequence `< cursor[r]` |
 //! | `closed` | anybody | the channel is closed (idempotent, never reset) |
 //! | `data` | readers sleep here | [`WaitCell`]: futex word and sleeper count |
@@ -16,17 +17,21 @@
 //!
 //! Message `s` lives in slot `s % depth`. The slot's contents are not part of this module: the
 //! caller writes them between [`RingWriter::reserve`] and [`RingWriter::publish`], and reads
-//! them between [`RingReader::acquire`] and the release.
+//! them between [`RingReader::acquire`] and the release. The memory puts each slot's stamp on
+//! the line of the slot's own description ([`RingMemory::stamp`]), so that a reader waiting for
+//! a message polls the line it reads next anyway: one line moves from the writer's core per
+//! message, where a shared published-count word moved two (that word, then the slot).
 //!
 //! # Protocol
 //!
 //! - **Write**: the writer may fill slot `s % depth` once every reader released `s - depth`, i.e.
 //!   `s - min(cursor) < depth` (it caches `min(cursor)` so that the fast path reads no cursor).
 //!   Otherwise it waits on `space`. It then writes the slot and publishes with
-//!   `write_seq.store(s + 1, Release)` followed by `data.notify()`.
-//! - **Read**: reader `r` waits on `data` until `write_seq > s` (acquire, so the slot's contents
-//!   are visible), reads the slot, and releases with `cursor[r].store(s + 1, Release)` followed by
-//!   `space.notify()`. A slot is reused only after *every* reader released it; the acquire load
+//!   `stamp[s % depth].store(s + 1, Release)` followed by `data.notify()`.
+//! - **Read**: reader `r` waits on `data` until `stamp[s % depth] == s + 1` (acquire, so the
+//!   slot's contents are visible; the stamp of the slot's earlier message is `s + 1 - depth`,
+//!   and the writer cannot get to `s + depth` before this reader released `s`), reads the
+//!   slot, and releases with `cursor[r].store(s + 1, Release)` followed by `space.notify()`. A slot is reused only after *every* reader released it; the acquire load
 //!   of the cursors orders the writer's next write after every reader's last read.
 //! - **Close** sets `closed` and wakes both cells unconditionally. A blocked writer returns
 //!   [`RingError::Closed`] at once; readers first drain what was published, then return
@@ -41,7 +46,7 @@
 //! # Why no wake-up is lost
 //!
 //! Every waiter polls its condition *and* `closed` after registering as a sleeper, and every
-//! state change (`write_seq`, a cursor, `closed`) is followed by a notify of the cell its
+//! state change (a stamp, a cursor, `closed`) is followed by a notify of the cell its
 //! waiters sleep on; [`WaitCell`] turns that pair into a Dekker-style handshake with two SeqCst
 //! fences (see [`wait`](super::wait)), so either the waiter sees the change or the waker sees
 //! the sleeper and bumps the futex word before waking it. The loom models in `loom_tests.rs`
@@ -102,9 +107,7 @@ impl<T> std::ops::Deref for CachePadded<T> {
 #[repr(C)]
 #[derive(Debug, Default)]
 pub(crate) struct RingControl {
-    /// Messages published so far. Written by the writer only.
-    write_seq: CachePadded<AtomicU64>,
-    /// Readers sleep here until `write_seq` moves or the ring closes.
+    /// Readers sleep here until a stamp moves or the ring closes.
     data: CachePadded<WaitCell>,
     /// The writer sleeps here until a cursor moves or the ring closes.
     space: CachePadded<WaitCell>,
@@ -143,8 +146,8 @@ impl RingControl {
 
     /// Closes the ring and wakes every sleeper. Idempotent.
     pub(crate) fn close(&self) {
-        // Release: a reader that sees `closed` also sees the writer's last `write_seq`, when
-        // the writer closed after publishing.
+        // Release: a reader that sees `closed` also sees the writer's last stamp, when the
+        // writer closed after publishing.
         self.meta.closed.store(1, Ordering::Release);
         self.data.wake();
         self.space.wake();
@@ -165,6 +168,9 @@ pub(crate) trait RingMemory: Clone {
     fn control(&self) -> &RingControl;
     /// The cursor of reader `index`; `index < control().readers()`.
     fn cursor(&self, index: u32) -> &Cursor;
+    /// The stamp of the slot of sequence `seq` (slot `seq % depth`): on the line that the
+    /// reader of the message reads first.
+    fn stamp(&self, seq: u64) -> &AtomicU64;
 }
 
 /// A ring in ordinary memory, for the loom models and threaded tests (loom cannot model a
@@ -174,6 +180,7 @@ pub(crate) trait RingMemory: Clone {
 pub(crate) struct HeapRing {
     control: RingControl,
     cursors: Box<[Cursor]>,
+    stamps: Box<[CachePadded<AtomicU64>]>,
 }
 
 #[cfg(test)]
@@ -182,6 +189,7 @@ impl HeapRing {
         let ring = Self {
             control: RingControl::default(),
             cursors: (0..readers).map(|_| Cursor::default()).collect(),
+            stamps: (0..depth).map(|_| CachePadded::default()).collect(),
         };
         ring.control.init(depth, readers);
         Arc::new(ring)
@@ -195,6 +203,9 @@ impl RingMemory for Arc<HeapRing> {
     }
     fn cursor(&self, index: u32) -> &Cursor {
         &self.cursors[index as usize]
+    }
+    fn stamp(&self, seq: u64) -> &AtomicU64 {
+        &self.stamps[(seq % self.stamps.len() as u64) as usize]
     }
 }
 
@@ -217,7 +228,8 @@ impl<M: RingMemory> RingWriter<M> {
         if ctl.meta.writer_attached.swap(1, Ordering::AcqRel) != 0 {
             return None;
         }
-        let next = ctl.write_seq.load(Ordering::Acquire);
+        // The only writer there ever is (`writer_attached` is never reset) starts at 0.
+        let next = 0;
         let depth = u64::from(ctl.depth());
         let min_released = min_cursor(&mem);
         Some(Self {
@@ -263,10 +275,10 @@ impl<M: RingMemory> RingWriter<M> {
             self.next - self.min_released < self.depth,
             "publish without reserve"
         );
+        let seq = self.next;
         self.next += 1;
-        let ctl = self.mem.control();
-        ctl.write_seq.store(self.next, Ordering::Release);
-        ctl.data.notify();
+        self.mem.stamp(seq).store(seq + 1, Ordering::Release);
+        self.mem.control().data.notify();
     }
 }
 
@@ -299,8 +311,6 @@ pub(crate) struct RingReader<M: RingMemory> {
     policy: SpinPolicy,
     /// Sequence number of the next message to acquire.
     next: u64,
-    /// The last `write_seq` seen: messages below it are readable without a shared load.
-    published: u64,
 }
 
 impl<M: RingMemory> RingReader<M> {
@@ -320,7 +330,6 @@ impl<M: RingMemory> RingReader<M> {
             index,
             policy: SpinPolicy::new(spin),
             next,
-            published: next,
             mem,
         })
     }
@@ -333,27 +342,23 @@ impl<M: RingMemory> RingReader<M> {
     /// `seq % depth` and then calls [`release`](Self::release).
     /// After a close, messages already published are still returned, then `Closed`.
     pub(crate) fn acquire(&mut self, deadline: Option<Instant>) -> Result<u64, RingError> {
-        if self.next == self.published {
-            let ctl = self.mem.control();
-            let next = self.next;
-            let ready = ctl.data.wait(&mut self.policy, deadline, || {
-                // `closed` first: if the writer closed after its last publish, seeing the
-                // close (acquire) implies seeing that publish.
-                let closed = ctl.is_closed();
-                let published = ctl.write_seq.load(Ordering::Acquire);
-                if published > next {
-                    Some(Ok(published))
-                } else if closed {
-                    Some(Err(RingError::Closed))
-                } else {
-                    None
-                }
-            });
-            self.published = ready.ok_or(RingError::Timeout)??;
-        }
-        let seq = self.next;
+        let (ctl, next) = (self.mem.control(), self.next);
+        let stamp = self.mem.stamp(next);
+        let ready = ctl.data.wait(&mut self.policy, deadline, || {
+            // `closed` first: if the writer closed after its last publish, seeing the close
+            // (acquire) implies seeing that publish.
+            let closed = ctl.is_closed();
+            if stamp.load(Ordering::Acquire) == next + 1 {
+                Some(Ok(()))
+            } else if closed {
+                Some(Err(RingError::Closed))
+            } else {
+                None
+            }
+        });
+        ready.ok_or(RingError::Timeout)??;
         self.next += 1;
-        Ok(seq)
+        Ok(next)
     }
 
     /// Releases `seq`, the latest sequence acquired: its slot may be reused once every reader
