@@ -894,16 +894,21 @@ impl ShmWriter {
                 at + capacity <= shared.layout.payload_start,
                 "slot line out of the header"
             );
-            // SAFETY: the range is inside the mapping's header part (asserted), which is
-            // backed from creation on, and no reference covers it (`SlotMeta` ends where it
-            // starts). Nobody else touches it until the publish below: `reserve` saw every
-            // reader release the slot's previous message (acquire), and a small frame is
-            // never kept past its release (see the module docs).
-            let room = unsafe {
-                std::slice::from_raw_parts_mut(shared.map.as_mut_ptr().add(at), capacity)
-            };
-            match encode(room) {
+            // Encoded aside, then copied in one go: the reader polls this line, and each of
+            // its looks while the encoder wrote here would take the line back.
+            let mut staged = [0u8; INLINE_BYTES];
+            match encode(&mut staged[..capacity]) {
                 Ok(len) if len <= capacity => {
+                    // SAFETY: the range is inside the mapping's header part (asserted), which
+                    // is backed from creation on, and no reference covers it (`SlotMeta` ends
+                    // where it starts). Nobody else touches it until the publish below:
+                    // `reserve` saw every reader release the slot's previous message
+                    // (acquire), and a small frame is never kept past its release (see the
+                    // module docs).
+                    let room = unsafe {
+                        std::slice::from_raw_parts_mut(shared.map.as_mut_ptr().add(at), len)
+                    };
+                    room.copy_from_slice(&staged[..len]);
                     let meta = shared.slot(seq);
                     meta.offset.store(at as u64, Ordering::Relaxed);
                     meta.len.store(len as u64, Ordering::Relaxed);
