@@ -897,8 +897,8 @@ impl ShmWriter {
             // Encoded aside, then copied in one go: the reader polls this line, and each of
             // its looks while the encoder wrote here would take the line back.
             let mut staged = [0u8; INLINE_BYTES];
-            match encode(&mut staged[..capacity]) {
-                Ok(len) if len <= capacity => {
+            match encoded(encode(&mut staged[..capacity]), capacity, limit)? {
+                Ok(len) => {
                     // SAFETY: the range is inside the mapping's header part (asserted), which
                     // is backed from creation on, and no reference covers it (`SlotMeta` ends
                     // where it starts). Nobody else touches it until the publish below:
@@ -909,23 +909,8 @@ impl ShmWriter {
                         std::slice::from_raw_parts_mut(shared.map.as_mut_ptr().add(at), len)
                     };
                     room.copy_from_slice(&staged[..len]);
-                    let meta = shared.slot(seq);
-                    meta.offset.store(at as u64, Ordering::Relaxed);
-                    meta.len.store(len as u64, Ordering::Relaxed);
-                    meta.tag.store(u32::from(tag), Ordering::Relaxed);
-                    self.ring.publish();
+                    publish_frame(&mut self.ring, seq, at, len, tag);
                     return Ok(growths);
-                }
-                Ok(len) => {
-                    return Err(RingError::Corrupt(format!(
-                        "encoder reported {len} bytes written into a buffer of {capacity}"
-                    )));
-                }
-                Err(needed) if needed > limit => {
-                    return Err(RingError::TooLarge {
-                        size: needed,
-                        limit,
-                    });
                 }
                 Err(_) => self.small_frames = false,
             }
@@ -948,26 +933,11 @@ impl ShmWriter {
                     capacity,
                 )
             };
-            match encode(buffer) {
-                Ok(len) if len <= capacity => {
-                    self.small_frames = len <= INLINE_BYTES;
-                    let meta = shared.slot(seq);
-                    meta.offset.store(block.payload() as u64, Ordering::Relaxed);
-                    meta.len.store(len as u64, Ordering::Relaxed);
-                    meta.tag.store(u32::from(tag), Ordering::Relaxed);
-                    self.ring.publish();
-                    return Ok(growths);
-                }
+            match encoded(encode(buffer), capacity, limit)? {
                 Ok(len) => {
-                    return Err(RingError::Corrupt(format!(
-                        "encoder reported {len} bytes written into a buffer of {capacity}"
-                    )));
-                }
-                Err(needed) if needed > limit => {
-                    return Err(RingError::TooLarge {
-                        size: needed,
-                        limit,
-                    });
+                    self.small_frames = len <= INLINE_BYTES;
+                    publish_frame(&mut self.ring, seq, block.payload(), len, tag);
+                    return Ok(growths);
                 }
                 Err(needed) if needed <= capacity => {
                     return Err(RingError::Corrupt(format!(
@@ -981,6 +951,42 @@ impl ShmWriter {
             }
         }
     }
+}
+
+/// What an encoder's answer means for a buffer of `capacity` bytes, under the channel's
+/// `limit`: `Ok(Ok(len))` written, `Ok(Err(needed))` too small for it, or the error to report.
+fn encoded(
+    answer: Result<usize, usize>,
+    capacity: usize,
+    limit: usize,
+) -> Result<Result<usize, usize>, RingError> {
+    match answer {
+        Ok(len) if len <= capacity => Ok(Ok(len)),
+        Ok(len) => Err(RingError::Corrupt(format!(
+            "encoder reported {len} bytes written into a buffer of {capacity}"
+        ))),
+        Err(needed) if needed > limit => Err(RingError::TooLarge {
+            size: needed,
+            limit,
+        }),
+        Err(needed) => Ok(Err(needed)),
+    }
+}
+
+/// Describes message `seq` (its payload's `len` bytes at `offset`, its `tag`) in its slot and
+/// publishes it.
+fn publish_frame(
+    ring: &mut RingWriter<Arc<ShmShared>>,
+    seq: u64,
+    offset: usize,
+    len: usize,
+    tag: u8,
+) {
+    let meta = ring.memory().slot(seq);
+    meta.offset.store(offset as u64, Ordering::Relaxed);
+    meta.len.store(len as u64, Ordering::Relaxed);
+    meta.tag.store(u32::from(tag), Ordering::Relaxed);
+    ring.publish();
 }
 
 #[cfg(all(test, not(loom)))]
