@@ -83,7 +83,7 @@ impl Holding {
 
     /// A holding whose frames leave by age only after `hold_max` (at a write) and `flush_after`
     /// (by the flusher).
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(super) fn lasting(hold_max: Duration, flush_after: Duration) -> Self {
         Holding::with_limits(hold_max.as_nanos() as u64, flush_after.as_nanos() as u64)
     }
@@ -94,7 +94,7 @@ impl Holding {
     }
 
     /// Frames held now, over every connection.
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(super) fn held(&self) -> usize {
         self.frames.load(Ordering::SeqCst)
     }
