@@ -31,6 +31,20 @@ pub(crate) mod slot;
 pub(crate) mod wait;
 pub(crate) use wait::passed;
 
+/// Aligns and pads `T` to 128 bytes: two cache lines, because Intel's adjacent-line prefetcher
+/// (and the big cores of ARM) move lines in pairs, as tokio's `util/cacheline.rs` explains.
+/// The hot words of both ring kinds (shared-memory and in-process) sit in one each.
+#[repr(C, align(128))]
+#[derive(Debug, Default)]
+pub(crate) struct CachePadded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for CachePadded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 /// What one slot of a channel carries: a value, or the error of the task that should have
 /// produced it.
 #[derive(Debug, Clone)]

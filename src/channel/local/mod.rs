@@ -7,9 +7,10 @@
 //! message costs the reader one cache line from the writer's core (crossbeam's bounded queue,
 //! made for many producers and consumers, moved a slot's line both ways and took a locked
 //! instruction per end: a thread ping-pong here took 0.68 µs through it, 0.42 µs through
-//! `rtrb`, whose reader fetches the tail index's line and then the slot's). Their ends wait with the same adaptive spin → yield → futex wait as the
-//! shared-memory ring ([`WaitCell`]), so that a chain of thread actors hands values on as fast
-//! as a chain of processes, and a close wakes every sleeper at once.
+//! `rtrb`, whose reader fetches the tail index's line and then the slot's). Their ends wait
+//! with the same adaptive spin → yield → futex wait as the shared-memory ring ([`WaitCell`]),
+//! so that a chain of thread actors hands values on as fast as a chain of processes, and a
+//! close wakes every sleeper at once.
 use super::wait::{DEFAULT_SPIN, SpinPolicy, WaitCell};
 use super::{ChanError, ChannelReader, ChannelWriter, Msg};
 use parking_lot::Mutex;

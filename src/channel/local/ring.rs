@@ -32,7 +32,7 @@
 
 use std::mem::MaybeUninit;
 
-use crate::channel::shm::ring::CachePadded;
+use crate::channel::CachePadded;
 use crate::sync::{Arc, AtomicU32, AtomicU64, Ordering, UnsafeCell};
 
 /// One slot: the stamp and, right after it on the same line when `T` is small, the value.

@@ -31,8 +31,9 @@
 //! - **Read**: reader `r` waits on `data` until `stamp[s % depth] == s + 1` (acquire, so the
 //!   slot's contents are visible; the stamp of the slot's earlier message is `s + 1 - depth`,
 //!   and the writer cannot get to `s + depth` before this reader released `s`), reads the
-//!   slot, and releases with `cursor[r].store(s + 1, Release)` followed by `space.notify()`. A slot is reused only after *every* reader released it; the acquire load
-//!   of the cursors orders the writer's next write after every reader's last read.
+//!   slot, and releases with `cursor[r].store(s + 1, Release)` followed by `space.notify()`.
+//!   A slot is reused only after *every* reader released it; the acquire load of the cursors
+//!   orders the writer's next write after every reader's last read.
 //! - **Close** sets `closed` and wakes both cells unconditionally. A blocked writer returns
 //!   [`RingError::Closed`] at once; readers first drain what was published, then return
 //!   `Closed`. Dropping a [`RingWriter`] or [`RingReader`] closes the ring, so nobody waits for
@@ -64,6 +65,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::channel::CachePadded;
 use crate::channel::wait::{SpinPolicy, WaitCell};
 #[cfg(test)]
 use crate::sync::Arc;
@@ -86,19 +88,6 @@ pub(crate) enum RingError {
     Io(#[from] std::io::Error),
     #[error("shared-memory channel is corrupt or incompatible: {0}")]
     Corrupt(String),
-}
-
-/// Aligns and pads `T` to 128 bytes: two cache lines, because Intel's adjacent-line prefetcher
-/// (and the big cores of ARM) move lines in pairs, as tokio's `util/cacheline.rs` explains.
-#[repr(C, align(128))]
-#[derive(Debug, Default)]
-pub(crate) struct CachePadded<T>(pub(crate) T);
-
-impl<T> std::ops::Deref for CachePadded<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.0
-    }
 }
 
 /// Shared state of a ring, except the readers' cursors. Only atomics, and all-zero bytes are
