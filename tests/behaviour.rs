@@ -2948,3 +2948,51 @@ fn one_off_call_to_an_actor_stuck_in_a_method_is_busy_and_never_runs() {
         },
     );
 }
+
+/// Refs got in every order, some dropped unread, some got at once: the next execution's ref
+/// reads its channel directly while earlier refs' results were filed, and no result lands in
+/// another execution's ref.
+#[test]
+fn gets_in_any_order_with_dropped_refs_never_swap_results() {
+    each_placement(
+        "gets_in_any_order_with_dropped_refs_never_swap_results",
+        |p| {
+            let rt = Runtime::new().unwrap();
+            let a = worker(&rt, p, 5);
+            let dag = Dag::<u64>::new();
+            let g = dag
+                .compile(a.echo(dag.input()), opts().max_inflight_executions(6))
+                .unwrap();
+            let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+            let mut next = move || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            let mut x = 0u64;
+            for round in 0..300 {
+                let n = 1 + (next() % 5) as usize;
+                let mut refs: Vec<_> = (0..n)
+                    .map(|_| {
+                        x += 1;
+                        (x, Some(g.execute(x).unwrap()))
+                    })
+                    .collect();
+                // A permutation of the refs; each is got or, one time in four, dropped unread.
+                for i in (1..n).rev() {
+                    refs.swap(i, (next() % (i as u64 + 1)) as usize);
+                }
+                for (input, r) in &mut refs {
+                    let r = r.take().unwrap();
+                    if next() % 4 == 0 {
+                        drop(r);
+                    } else {
+                        assert_eq!(r.get().unwrap(), *input + 5, "[{p:?}] round {round}");
+                    }
+                }
+            }
+            assert_eq!(g.execute(1).unwrap().get().unwrap(), 6, "[{p:?}]");
+        },
+    );
+}

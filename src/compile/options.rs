@@ -226,10 +226,17 @@ setters! {
     timeline: bool,
 }
 
-/// A deadline `d` from now, where `Duration::MAX` (or an overflow) means none.
+/// Timeouts from this long on count from the coarse clock ([`crate::clock::coarse_now`]):
+/// a few ms late at most, under 1%, for a clock read a fifth of the cost.
+const COARSE_FROM: Duration = Duration::from_secs(1);
+
+/// A deadline `d` from now, where `Duration::MAX` (or an overflow) means none. Never early; a
+/// deadline a second or more away may be a few ms late.
 pub(crate) fn deadline_after(d: std::time::Duration) -> Option<std::time::Instant> {
     if d == Duration::MAX {
         None
+    } else if d >= COARSE_FROM {
+        crate::clock::coarse_now().checked_add(d)
     } else {
         std::time::Instant::now().checked_add(d)
     }

@@ -122,6 +122,32 @@ impl Gather {
         Ok(std::mem::take(&mut self.partial))
     }
 
+    /// The fast path of a graph with one output: reads execution `exec`'s message straight
+    /// into `slot` (an `Option<Msg<T>>`, see [`OutputReader::read_into`]), with no list, no
+    /// box and no filing. `None` where it does not apply (several outputs, an execution read
+    /// part of the way, leftovers ahead of `exec`, another type in `slot`): read as usual.
+    pub(crate) fn read_alone(
+        &mut self,
+        exec: u64,
+        slot: &mut dyn Any,
+        deadline: Option<Instant>,
+    ) -> Option<Result<(), ChanError>> {
+        let [edge] = &mut self.edges[..] else {
+            return None;
+        };
+        if self.n_outputs != 1 || !self.partial.is_empty() || edge.next != exec {
+            return None;
+        }
+        match edge.reader.read_into(slot, deadline) {
+            Ok(false) => None,
+            Ok(true) => {
+                edge.next += 1;
+                Some(Ok(()))
+            }
+            Err(e) => Some(Err(e)),
+        }
+    }
+
     /// Reads the leftovers of executions before `upto` (waiting up to `deadline`), so that
     /// their places in the channels come free.
     pub(crate) fn drain(

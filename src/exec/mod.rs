@@ -88,6 +88,15 @@ pub(crate) struct ResultState {
 
 /// What refs see of their graph.
 pub(crate) trait RefOwner: Send + Sync {
+    /// The fast path of `fetch` for the execution to be read next, in a graph of one output:
+    /// its message goes straight into `slot` (an `Option<Msg<T>>` of the ref's `T`). `None`
+    /// where it does not apply, or another get holds the output channels: call `fetch`.
+    fn fetch_next(
+        &self,
+        exec: u64,
+        timeout: Option<Duration>,
+        slot: &mut dyn Any,
+    ) -> Option<Result<()>>;
     fn fetch(
         &self,
         exec: u64,
@@ -189,6 +198,8 @@ pub(crate) struct GraphShared<I> {
 /// ```
 pub struct CompiledGraph<I: Value, O: IntoOutputs> {
     shared: Arc<GraphShared<I>>,
+    /// `shared` as its refs hold it.
+    owner: Arc<dyn RefOwner>,
     outputs: O,
     _o: PhantomData<fn() -> O>,
 }
@@ -212,6 +223,7 @@ impl<I: Value> crate::dag::Dag<I> {
                 let live: Arc<dyn crate::dag::Liveness> = shared.clone();
                 self.inner.record_compiled(graph, Arc::downgrade(&live));
                 Ok(CompiledGraph {
+                    owner: shared.clone(),
                     shared,
                     outputs,
                     _o: PhantomData,
@@ -854,7 +866,8 @@ impl<I: Value> GraphShared<I> {
         }
     }
 
-    fn execute(self: &Arc<Self>, input: &I) -> Result<ExecToken> {
+    /// Submits one execution; returns its index.
+    fn execute(&self, input: &I) -> Result<u64> {
         self.check_live()?;
         let mut sub = self.submit.lock();
         self.check_live()?;
@@ -959,7 +972,7 @@ impl<I: Value> GraphShared<I> {
         }
         self.next_exec.store(exec + 1, Ordering::Release);
         tracing::trace!(graph = self.id, exec, "submitted");
-        Ok(ExecToken::new(self.clone() as Arc<dyn RefOwner>, exec))
+        Ok(exec)
     }
 
     pub(crate) fn record_death(&self, error: Error) {
@@ -1237,6 +1250,41 @@ impl<I: Value> GraphShared<I> {
 }
 
 impl<I: Value> RefOwner for GraphShared<I> {
+    fn fetch_next(
+        &self,
+        exec: u64,
+        timeout: Option<Duration>,
+        slot: &mut dyn Any,
+    ) -> Option<Result<()>> {
+        // Execution `exec` is the next to read, so its result is not buffered and no other
+        // output of it waits; `next_read` moves only under the reader's lock, so it is still
+        // the next one once that lock is held.
+        if self.opts.enable_asyncio || self.next_read.load(Ordering::Acquire) != exec {
+            return None;
+        }
+        let mut rs = self.reader.try_lock()?;
+        if self.next_read.load(Ordering::Acquire) != exec || self.torn.load(Ordering::Acquire) {
+            return None;
+        }
+        let timeout = timeout.unwrap_or(self.opts.get_timeout);
+        let read = rs.read_alone(exec, slot, deadline_after(timeout))?;
+        Some(match read {
+            Ok(()) => {
+                // Nothing to file: the one result goes to the ref that asked, no future
+                // waits in a graph without asyncio, and the ref was not dropped. So the
+                // results' lock is not taken; `release` of a later execution's ref files it
+                // as dropped either way.
+                self.next_read.store(exec + 1, Ordering::Release);
+                self.drained.store(rs.drained(), Ordering::Release);
+                drop(rs);
+                // An execution was read: room for one more.
+                self.submit_waiters.notify();
+                Ok(())
+            }
+            Err(e) => Err(self.edge_error(&rs, 0, exec, e, timeout)),
+        })
+    }
+
     fn fetch(
         &self,
         exec: u64,
@@ -1362,11 +1410,11 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
                         .into(),
             });
         }
-        let token = self
+        let exec = self
             .shared
             .execute(&input)
             .map_err(|e| self.shared.settled(e))?;
-        Ok(self.outputs.make_refs(&token, 0).0)
+        Ok(self.refs(exec))
     }
 
     /// Submit one execution from async code (graphs compiled with `enable_asyncio`). The
@@ -1383,7 +1431,7 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
         // a failed one), wait (up to submit_timeout) for the pump to discard them, as a sync
         // `execute` reads them itself: dropping futures frees their places deterministically.
         let deadline = deadline_after(self.shared.opts.submit_timeout);
-        let token = loop {
+        let exec = loop {
             match self.shared.execute(&input) {
                 Err(Error::CapacityExceeded {
                     capacity: Capacity::InflightExecutions,
@@ -1401,7 +1449,14 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
                 r => break r.map_err(|e| self.shared.settled(e))?,
             }
         };
-        Ok(self.outputs.make_refs(&token, 0).0)
+        Ok(self.refs(exec))
+    }
+
+    /// The refs of execution `exec`'s outputs.
+    fn refs(&self, exec: u64) -> O::Refs {
+        self.outputs
+            .make_refs(&ExecToken::new(&self.owner, exec), 0)
+            .0
     }
 
     /// Stop the graph and release its actors. Idempotent; also done on drop.

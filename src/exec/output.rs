@@ -22,7 +22,7 @@ pub trait IntoOutputs {
     fn output_specs(&self) -> Vec<OutputSpec>;
     /// Refs for outputs `first..`; returns them with the index after the last.
     #[doc(hidden)]
-    fn make_refs(&self, token: &ExecToken, first: usize) -> (Self::Refs, usize);
+    fn make_refs(&self, token: &ExecToken<'_>, first: usize) -> (Self::Refs, usize);
 }
 
 impl<T: Value> IntoOutputs for Node<T> {
@@ -30,7 +30,7 @@ impl<T: Value> IntoOutputs for Node<T> {
     fn output_specs(&self) -> Vec<OutputSpec> {
         vec![OutputSpec::of::<T>(self.erase())]
     }
-    fn make_refs(&self, token: &ExecToken, first: usize) -> (Self::Refs, usize) {
+    fn make_refs(&self, token: &ExecToken<'_>, first: usize) -> (Self::Refs, usize) {
         (CompiledRef::new(token, first), first + 1)
     }
 }
@@ -42,7 +42,7 @@ impl<T: Value> IntoOutputs for Vec<Node<T>> {
             .map(|n| OutputSpec::of::<T>(n.erase()))
             .collect()
     }
-    fn make_refs(&self, token: &ExecToken, first: usize) -> (Self::Refs, usize) {
+    fn make_refs(&self, token: &ExecToken<'_>, first: usize) -> (Self::Refs, usize) {
         let end = first + self.len();
         (
             (first..end).map(|i| CompiledRef::new(token, i)).collect(),
@@ -56,7 +56,7 @@ impl<T: Value> IntoOutputs for MultiOutput<T> {
     fn output_specs(&self) -> Vec<OutputSpec> {
         self.0.output_specs()
     }
-    fn make_refs(&self, token: &ExecToken, first: usize) -> (Self::Refs, usize) {
+    fn make_refs(&self, token: &ExecToken<'_>, first: usize) -> (Self::Refs, usize) {
         self.0.make_refs(token, first)
     }
 }
@@ -71,7 +71,7 @@ macro_rules! tuple_outputs {
                 $(v.extend(self.$i.output_specs());)+
                 v
             }
-            fn make_refs(&self, token: &ExecToken, first: usize) -> (Self::Refs, usize) {
+            fn make_refs(&self, token: &ExecToken<'_>, first: usize) -> (Self::Refs, usize) {
                 let at = first;
                 $(let ($t, at) = self.$i.make_refs(token, at);)+
                 (($($t,)+), at)
@@ -113,6 +113,26 @@ impl EdgeRead {
 /// Reads one output edge and hands one copy of each value to every output that names it.
 pub(crate) trait OutputReader: Send {
     fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<EdgeRead, ChanError>;
+
+    /// Reads the next message into `slot`, an `Option<Msg<T>>` of the caller's `T`, with no
+    /// allocation on the way. `Ok(false)`: the edge carries another type, and nothing was read.
+    fn read_into(
+        &mut self,
+        slot: &mut dyn Any,
+        deadline: Option<Instant>,
+    ) -> Result<bool, ChanError>;
+}
+
+/// `reader`'s next message into `slot`, if `slot` holds messages of `T`.
+fn read_into<T: Value>(
+    slot: &mut dyn Any,
+    read: impl FnOnce() -> Result<Msg<T>, ChanError>,
+) -> Result<bool, ChanError> {
+    let Some(slot) = slot.downcast_mut::<Option<Msg<T>>>() else {
+        return Ok(false);
+    };
+    *slot = Some(read()?);
+    Ok(true)
 }
 
 struct TypedOutput<T>(Reader<T>);
@@ -120,6 +140,14 @@ struct TypedOutput<T>(Reader<T>);
 impl<T: Value> OutputReader for TypedOutput<T> {
     fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<EdgeRead, ChanError> {
         Ok(EdgeRead::of(self.0.read(deadline)?, copies))
+    }
+
+    fn read_into(
+        &mut self,
+        slot: &mut dyn Any,
+        deadline: Option<Instant>,
+    ) -> Result<bool, ChanError> {
+        read_into(slot, || self.0.read(deadline))
     }
 }
 
@@ -129,6 +157,14 @@ struct ErasedOutput(Box<dyn ErasedReader>);
 impl OutputReader for ErasedOutput {
     fn read(&mut self, copies: usize, deadline: Option<Instant>) -> Result<EdgeRead, ChanError> {
         Ok(EdgeRead::of(self.0.read(deadline)?, copies))
+    }
+
+    fn read_into(
+        &mut self,
+        slot: &mut dyn Any,
+        deadline: Option<Instant>,
+    ) -> Result<bool, ChanError> {
+        read_into::<AnyValue>(slot, || self.0.read(deadline))
     }
 }
 
@@ -237,7 +273,7 @@ impl IntoOutputs for AnyNode {
     fn output_specs(&self) -> Vec<OutputSpec> {
         vec![OutputSpec::erased(self.clone())]
     }
-    fn make_refs(&self, token: &ExecToken, first: usize) -> (Self::Refs, usize) {
+    fn make_refs(&self, token: &ExecToken<'_>, first: usize) -> (Self::Refs, usize) {
         (CompiledRef::new(token, first), first + 1)
     }
 }
@@ -248,7 +284,7 @@ impl IntoOutputs for Vec<AnyNode> {
     fn output_specs(&self) -> Vec<OutputSpec> {
         self.iter().cloned().map(OutputSpec::erased).collect()
     }
-    fn make_refs(&self, token: &ExecToken, first: usize) -> (Self::Refs, usize) {
+    fn make_refs(&self, token: &ExecToken<'_>, first: usize) -> (Self::Refs, usize) {
         let end = first + self.len();
         (
             (first..end).map(|i| CompiledRef::new(token, i)).collect(),

@@ -184,9 +184,9 @@ where
         loop {
             if let Some(submit) = &mut self.submitting {
                 match Pin::new(submit).poll(cx) {
-                    Poll::Ready(Ok(token)) => {
+                    Poll::Ready(Ok(exec)) => {
                         self.submitting = None;
-                        let refs = self.graph.outputs.make_refs(&token, 0).0;
+                        let refs = self.graph.refs(exec);
                         self.pending.push_back(refs.claim_async());
                     }
                     Poll::Ready(Err(e)) => {

@@ -14,16 +14,16 @@ use std::time::{Duration, Instant};
 /// the output that failed, handed to every ref of the execution.
 pub(crate) struct Failed(pub(crate) Arc<TaskError>);
 
-/// One submitted execution, shared by the refs of its outputs.
+/// One submitted execution, from which the refs of its outputs are made. It borrows the
+/// graph's handle, so that only the refs hold it (a count less to move per execution).
 #[doc(hidden)]
-#[derive(Clone)]
-pub struct ExecToken {
-    owner: Arc<dyn RefOwner>,
+pub struct ExecToken<'a> {
+    owner: &'a Arc<dyn RefOwner>,
     exec: u64,
 }
 
-impl ExecToken {
-    pub(crate) fn new(owner: Arc<dyn RefOwner>, exec: u64) -> Self {
+impl<'a> ExecToken<'a> {
+    pub(crate) fn new(owner: &'a Arc<dyn RefOwner>, exec: u64) -> Self {
         ExecToken { owner, exec }
     }
 }
@@ -113,7 +113,7 @@ impl<T> std::fmt::Display for CompiledRef<T> {
 }
 
 impl<T: Value> CompiledRef<T> {
-    pub(crate) fn new(token: &ExecToken, output: usize) -> Self {
+    pub(crate) fn new(token: &ExecToken<'_>, output: usize) -> Self {
         CompiledRef {
             inner: Arc::new(RefInner {
                 owner: token.owner.clone(),
@@ -158,8 +158,21 @@ impl<T: Value> CompiledRef<T> {
                 output: inner.output,
             });
         }
-        let value = match inner.owner.fetch(inner.exec, inner.output, timeout) {
-            Ok(v) => v,
+        let mut slot: Option<Msg<T>> = None;
+        let fetched = match inner.owner.fetch_next(inner.exec, timeout, &mut slot) {
+            Some(read) => read.map(|()| None),
+            None => inner
+                .owner
+                .fetch(inner.exec, inner.output, timeout)
+                .map(Some),
+        };
+        let value = match fetched {
+            Ok(Some(boxed)) => boxed,
+            Ok(None) => match slot {
+                Some(Msg::Value(v)) => return Ok(v),
+                Some(Msg::Error(e)) => return Err(Error::from(&*e)),
+                None => unreachable!("fetch_next fills the slot when it reads"),
+            },
             Err(e) => {
                 let e = inner.settled(e);
                 if matches!(

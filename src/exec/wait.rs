@@ -7,7 +7,6 @@
 //! released, and at teardown. A waiting future holds nothing but its input, a waker
 //! registration and a timer entry until the very poll that submits, so dropping it at any
 //! await point submits nothing and leaks nothing.
-use super::refs::ExecToken;
 use super::timer::{TimerEntry, wake_at};
 use super::{CompiledGraph, GraphShared, IntoOutputs};
 use crate::compile::deadline_after;
@@ -179,9 +178,9 @@ impl<I: Value> Submit<I> {
 }
 
 impl<I: Value> Future for Submit<I> {
-    type Output = Result<ExecToken>;
+    type Output = Result<u64>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<ExecToken>> {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<u64>> {
         let this = self.get_mut();
         if this.done {
             return Poll::Ready(Err(Error::WrongMode {
@@ -236,7 +235,7 @@ impl<I: Value> Drop for Submit<I> {
 
 impl<I: Value> GraphShared<I> {
     /// Submit, waiting for room up to `submit_timeout` (the calling thread sleeps).
-    pub(crate) fn execute_wait(self: &Arc<Self>, input: &I) -> Result<ExecToken> {
+    pub(crate) fn execute_wait(&self, input: &I) -> Result<u64> {
         let deadline = deadline_after(self.opts.submit_timeout);
         loop {
             let seen = self.submit_waiters.generation();
@@ -288,8 +287,8 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
                         .into(),
             });
         }
-        let token = self.shared.execute_wait(&input)?;
-        Ok(self.outputs.make_refs(&token, 0).0)
+        let exec = self.shared.execute_wait(&input)?;
+        Ok(self.refs(exec))
     }
 
     /// [`execute_async`](CompiledGraph::execute_async) that waits for room instead of
@@ -336,7 +335,7 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
                 message: "this graph was compiled without enable_asyncio; call execute_wait() or compile with CompileOptions::enable_asyncio(true)".into(),
             });
         }
-        let token = Submit::new(self.shared.clone(), input).await?;
-        Ok(self.outputs.make_refs(&token, 0).0)
+        let exec = Submit::new(self.shared.clone(), input).await?;
+        Ok(self.refs(exec))
     }
 }
