@@ -37,12 +37,9 @@ pub(crate) fn mono_ns() -> u64 {
 /// ~18 ns, which is a tenth of the driver's part of a small round trip. For deadlines seconds
 /// away, where a few ms late do not matter ([`deadline_after`](crate::compile::deadline_after)).
 pub(crate) fn coarse_now() -> std::time::Instant {
-    use rustix::time::{ClockId, Timespec, clock_getres, clock_gettime};
+    use rustix::time::{ClockId, clock_getres, clock_gettime};
     use std::time::{Duration, Instant};
-    fn coarse() -> Duration {
-        let Timespec { tv_sec, tv_nsec } = clock_gettime(ClockId::MonotonicCoarse);
-        Duration::new(tv_sec as u64, tv_nsec as u32)
-    }
+    let coarse = || duration(clock_gettime(ClockId::MonotonicCoarse));
     // The coarse clock reads the monotonic time of the last tick: at most one resolution
     // behind. `origin` is read after `coarse_origin`, so `origin + (coarse() - coarse_origin)`
     // lags now by less than a resolution and leads it by less than one; adding a resolution
@@ -50,22 +47,26 @@ pub(crate) fn coarse_now() -> std::time::Instant {
     static BASE: OnceLock<(Duration, Instant, Duration)> = OnceLock::new();
     let (coarse_origin, origin, resolution) = *BASE.get_or_init(|| {
         let coarse_origin = coarse();
-        let resolution = clock_getres(ClockId::MonotonicCoarse);
-        let resolution = Duration::new(resolution.tv_sec as u64, resolution.tv_nsec as u32);
+        let resolution = duration(clock_getres(ClockId::MonotonicCoarse));
         (coarse_origin, Instant::now(), resolution)
     });
     origin + coarse().saturating_sub(coarse_origin) + resolution
 }
 
+fn duration(t: rustix::time::Timespec) -> std::time::Duration {
+    std::time::Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::coarse_now;
+    use super::{coarse_now, duration};
     use std::time::{Duration, Instant};
 
     #[test]
     fn coarse_now_is_never_early_and_at_most_two_ticks_late() {
-        let res = rustix::time::clock_getres(rustix::time::ClockId::MonotonicCoarse);
-        let res = Duration::new(res.tv_sec as u64, res.tv_nsec as u32);
+        let res = duration(rustix::time::clock_getres(
+            rustix::time::ClockId::MonotonicCoarse,
+        ));
         // Slack for a preemption between the reads; a wrong sign or a missing tick shows as an
         // error of a whole tick every time, which the many rounds catch.
         let slack = Duration::from_millis(50);

@@ -123,7 +123,7 @@ pub(crate) trait OutputReader: Send {
     ) -> Result<bool, ChanError>;
 }
 
-/// `reader`'s next message into `slot`, if `slot` holds messages of `T`.
+/// The message `read` returns, into `slot`, if `slot` holds messages of `T` (else nothing is read).
 fn read_into<T: Value>(
     slot: &mut dyn Any,
     read: impl FnOnce() -> Result<Msg<T>, ChanError>,

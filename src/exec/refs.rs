@@ -160,19 +160,14 @@ impl<T: Value> CompiledRef<T> {
         }
         let mut slot: Option<Msg<T>> = None;
         let fetched = match inner.owner.fetch_next(inner.exec, timeout, &mut slot) {
-            Some(read) => read.map(|()| None),
-            None => inner
-                .owner
-                .fetch(inner.exec, inner.output, timeout)
-                .map(Some),
+            Some(Ok(())) => {
+                return Self::from_msg(slot.expect("fetch_next fills the slot when it reads"));
+            }
+            Some(Err(e)) => Err(e),
+            None => inner.owner.fetch(inner.exec, inner.output, timeout),
         };
         let value = match fetched {
-            Ok(Some(boxed)) => boxed,
-            Ok(None) => match slot {
-                Some(Msg::Value(v)) => return Ok(v),
-                Some(Msg::Error(e)) => return Err(Error::from(&*e)),
-                None => unreachable!("fetch_next fills the slot when it reads"),
-            },
+            Ok(v) => v,
             Err(e) => {
                 let e = inner.settled(e);
                 if matches!(
@@ -189,13 +184,17 @@ impl<T: Value> CompiledRef<T> {
         self.unpack(value)
     }
 
+    fn from_msg(msg: Msg<T>) -> Result<T> {
+        match msg {
+            Msg::Value(v) => Ok(v),
+            Msg::Error(e) => Err(Error::from(&*e)),
+        }
+    }
+
     fn unpack(&self, value: Box<dyn std::any::Any + Send>) -> Result<T> {
         let inner = &self.inner;
         match value.downcast::<Msg<T>>() {
-            Ok(msg) => match *msg {
-                Msg::Value(v) => Ok(v),
-                Msg::Error(e) => Err(Error::from(&*e)),
-            },
+            Ok(msg) => Self::from_msg(*msg),
             // The execution failed fast on another output's error.
             Err(value) if value.is::<Failed>() => match value.downcast::<Failed>() {
                 Ok(failed) => Err(Error::from(&*failed.0)),
