@@ -504,6 +504,7 @@ pub fn wait_first<T: Value>(refs: Vec<CompiledRef<T>>, timeout: Duration) -> Res
     loop {
         for i in 0..refs.len() {
             if refs[i].inner.wait_ready(Some(crate::channel::passed()))? {
+                let i = first_ready_before(&refs, i)?;
                 return Ok(claim_first(refs, i));
             }
         }
@@ -536,6 +537,18 @@ pub fn wait_first<T: Value>(refs: Vec<CompiledRef<T>>, timeout: Duration) -> Res
     }
 }
 
+/// The first ref in list order that is ready, given that `refs[found]` is. Looking at a later
+/// execution reads the earlier ones off their channels too, so an earlier ref looked at just
+/// before may have become ready since; a second look keeps the list's order.
+fn first_ready_before<T>(refs: &[CompiledRef<T>], found: usize) -> Result<usize> {
+    for (i, r) in refs[..found].iter().enumerate() {
+        if r.inner.wait_ready(Some(crate::channel::passed()))? {
+            return Ok(i);
+        }
+    }
+    Ok(found)
+}
+
 fn claim_first<T: Value>(mut refs: Vec<CompiledRef<T>>, index: usize) -> First<T> {
     let r = refs.remove(index);
     let result = r.fetch(None);
@@ -553,15 +566,30 @@ pub async fn wait_first_async<T: Value>(refs: Vec<CompiledRef<T>>) -> Result<Fir
     if refs.is_empty() {
         return Err(no_refs());
     }
+    // A second pass over the refs before the one found ready, for the reason
+    // `first_ready_before` gives.
     let index = std::future::poll_fn(|cx| {
+        let mut found = None;
         for (i, r) in refs.iter().enumerate() {
             match r.inner.owner.poll_ready(r.inner.exec, r.inner.output, cx) {
-                Poll::Ready(Ok(())) => return Poll::Ready(Ok(i)),
+                Poll::Ready(Ok(())) => {
+                    found = Some(i);
+                    break;
+                }
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(r.inner.settled(e))),
                 Poll::Pending => {}
             }
         }
-        Poll::Pending
+        let Some(found) = found else {
+            return Poll::Pending;
+        };
+        for (i, r) in refs[..found].iter().enumerate() {
+            if let Poll::Ready(Ok(())) = r.inner.owner.poll_ready(r.inner.exec, r.inner.output, cx)
+            {
+                return Poll::Ready(Ok(i));
+            }
+        }
+        Poll::Ready(Ok(found))
     })
     .await?;
     let mut refs = refs;
@@ -572,4 +600,101 @@ pub async fn wait_first_async<T: Value>(refs: Vec<CompiledRef<T>>) -> Result<Fir
         result,
         rest: refs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::any::Any;
+    use std::future::Future;
+    use std::sync::Mutex;
+    use std::task::{Context, Waker};
+
+    /// A graph of two executions in which the first lands between two looks of a scan:
+    /// execution 0 reads as ready only once execution 1 has been looked at (as reading
+    /// execution 1 off the channels reads execution 0 first).
+    #[derive(Default)]
+    struct LandsBetweenLooks {
+        looked_at_second: Mutex<bool>,
+    }
+
+    impl LandsBetweenLooks {
+        fn ready(&self, exec: u64) -> bool {
+            let mut second = self.looked_at_second.lock().unwrap();
+            if exec == 1 {
+                *second = true;
+            }
+            *second
+        }
+    }
+
+    impl RefOwner for LandsBetweenLooks {
+        fn fetch_next(&self, _: u64, _: Option<Duration>, _: &mut dyn Any) -> Option<Result<()>> {
+            None
+        }
+        fn fetch(&self, exec: u64, _: usize, _: Option<Duration>) -> Result<Box<dyn Any + Send>> {
+            Ok(Box::new(Msg::Value(exec * 10)))
+        }
+        fn poll_fetch(
+            &self,
+            exec: u64,
+            output: usize,
+            _: &mut Context<'_>,
+        ) -> Poll<Result<Box<dyn Any + Send>>> {
+            Poll::Ready(self.fetch(exec, output, None))
+        }
+        fn poll_reading(
+            &self,
+            exec: u64,
+            output: usize,
+            cx: &mut Context<'_>,
+            _: Duration,
+        ) -> Poll<Result<Box<dyn Any + Send>>> {
+            self.poll_fetch(exec, output, cx)
+        }
+        fn release(&self, _: u64, _: usize) {}
+        fn describe_output(&self, _: usize) -> String {
+            "the fake output".into()
+        }
+        fn graph(&self) -> (u64, usize) {
+            (0, 1)
+        }
+        fn settle(&self) {}
+        fn wait_ready(&self, exec: u64, _: usize, _: Option<Duration>) -> Result<bool> {
+            Ok(self.ready(exec))
+        }
+        fn poll_ready(&self, exec: u64, _: usize, _: &mut Context<'_>) -> Poll<Result<()>> {
+            if self.ready(exec) {
+                Poll::Ready(Ok(()))
+            } else {
+                Poll::Pending
+            }
+        }
+    }
+
+    fn two_refs() -> Vec<CompiledRef<u64>> {
+        let owner: Arc<dyn RefOwner> = Arc::new(LandsBetweenLooks::default());
+        (0..2)
+            .map(|exec| CompiledRef::new(&ExecToken::new(&owner, exec), 0))
+            .collect()
+    }
+
+    #[test]
+    fn wait_first_claims_an_earlier_ref_that_became_ready_during_the_scan() {
+        let first = wait_first(two_refs(), Duration::from_secs(1)).unwrap();
+        assert_eq!((first.index, first.result.unwrap()), (0, 0));
+        assert_eq!(first.rest[0].execution(), 1);
+    }
+
+    #[test]
+    fn wait_first_async_claims_an_earlier_ref_that_became_ready_during_the_scan() {
+        let mut future = std::pin::pin!(wait_first_async(two_refs()));
+        let mut cx = Context::from_waker(Waker::noop());
+        let Poll::Ready(first) = future.as_mut().poll(&mut cx) else {
+            panic!("both refs are ready after one scan");
+        };
+        let first = first.unwrap();
+        assert_eq!((first.index, first.result.unwrap()), (0, 0));
+        assert_eq!(first.rest[0].execution(), 1);
+    }
 }
