@@ -8,8 +8,8 @@
 //! and ends in a futex sleep. Hence three phases, as crossbeam's `Backoff` and rayon's sleep
 //! module do:
 //!
-//! 1. **spin**: PAUSE instructions in chunks doubling from 1 to 16, polling after each chunk,
-//!    for [`PURE_STEPS`] chunks (~80 PAUSEs, ~2.5 µs where a PAUSE costs ~33 ns);
+//! 1. **spin**: one PAUSE at a time, polling after each, for [`PURE_STEPS`] PAUSEs (~2.5 µs
+//!    where a PAUSE costs ~33 ns; a poll after every PAUSE sees a result the moment it lands);
 //! 2. **spin and yield**: `sched_yield`, then chunks of 16 PAUSEs with polls, then yield again,
 //!    until the spin budget (a [`Duration`], [`DEFAULT_SPIN`] by default) has passed;
 //! 3. **sleep** on a [`WaitCell`]: a futex word in shared memory (no `FUTEX_PRIVATE_FLAG`, so
@@ -66,7 +66,7 @@ pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 /// least this often, so a peer that died without waking anybody cannot hang a waiter.
 const SLEEP_SLICE: Duration = Duration::from_millis(100);
 
-/// Chunks of the pure-spin phase: 1, 2, 4, 8, 16, 16, 16, 16 PAUSEs.
+/// Polls of the pure-spin phase, one PAUSE before each.
 const PURE_STEPS: u32 = 80;
 
 /// PAUSEs per chunk once the doubling stops (`2^CHUNK_SHIFT`): ~0.5 µs between two polls.
@@ -91,7 +91,7 @@ pub(crate) fn passed() -> Instant {
 #[derive(Debug, Clone)]
 pub(crate) struct SpinPolicy {
     budget: Duration,
-    /// Pure-spin chunks of the next wait: [`PURE_STEPS`], or 0 after a wait that ended only
+    /// Pure-spin polls of the next wait: [`PURE_STEPS`], or 0 after a wait that ended only
     /// after a yield.
     pure_steps: u32,
     waits: u32,
