@@ -37,7 +37,7 @@ use bytes::Bytes;
 use serde::de::{self, DeserializeOwned, Deserializer, Visitor};
 use serde::ser::Serializer;
 use serde::{Deserialize, Serialize};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::fmt;
 
 /// Byte strings at least this long travel out of band; shorter ones are cheaper inline.
@@ -98,50 +98,88 @@ pub(crate) struct Copied;
 
 impl Sharing for Copied {}
 
-thread_local! {
+/// What the frame functions keep per thread. One thread-local for all of it, looked up once
+/// per encoding or decoding: in the Python extension each look is a call into the dynamic
+/// loader (`__tls_get_addr`), and an encoding looked four times.
+struct Frames {
     /// While a frame is encoded on this thread: the attachments so far.
-    static ENCODING: RefCell<Option<Vec<Bytes>>> = const { RefCell::new(None) };
+    encoding: RefCell<Option<Vec<Bytes>>>,
     /// While a frame is decoded on this thread: its attachments, by index.
-    static DECODING: RefCell<Option<Vec<Bytes>>> = const { RefCell::new(None) };
+    decoding: RefCell<Option<Vec<Bytes>>>,
+    /// Why adag's own `Serialize` impls (a device tensor) last failed on this thread:
+    /// postcard keeps no custom error text (it reports "Serde Serialization Error"), so the
+    /// impl notes it here for the encoder to report.
+    failure: Cell<Option<String>>,
 }
 
-/// Opens a scope on `key` holding `value`; the previous state comes back on drop (also when
+thread_local! {
+    static FRAMES: Frames = const {
+        Frames {
+            encoding: RefCell::new(None),
+            decoding: RefCell::new(None),
+            failure: Cell::new(None),
+        }
+    };
+}
+
+/// Note why a `Serialize` impl fails (see [`Frames::failure`]); returns the text for the
+/// serializer's own error.
+pub(crate) fn note_serialize_failure(text: String) -> String {
+    FRAMES.with(|frames| frames.failure.set(Some(text.clone())));
+    text
+}
+
+/// Opens a scope on `cell` holding `value`; the previous state comes back on drop (also when
 /// a serde impl panics), so scopes nest.
-struct Scope {
-    key: &'static std::thread::LocalKey<RefCell<Option<Vec<Bytes>>>>,
+struct Scope<'a> {
+    cell: &'a RefCell<Option<Vec<Bytes>>>,
     previous: Option<Vec<Bytes>>,
 }
 
-impl Scope {
-    fn open(
-        key: &'static std::thread::LocalKey<RefCell<Option<Vec<Bytes>>>>,
-        value: Vec<Bytes>,
-    ) -> Self {
-        let previous = key.with(|cell| cell.replace(Some(value)));
-        Scope { key, previous }
+impl<'a> Scope<'a> {
+    fn open(cell: &'a RefCell<Option<Vec<Bytes>>>, value: Vec<Bytes>) -> Self {
+        let previous = cell.replace(Some(value));
+        Scope { cell, previous }
     }
 
     /// Empties the scope's list (a failed attempt is encoded again).
     fn reset(&self) {
-        self.key.with(|cell| {
-            if let Some(list) = cell.borrow_mut().as_mut() {
-                list.clear();
-            }
-        });
+        if let Some(list) = self.cell.borrow_mut().as_mut() {
+            list.clear();
+        }
     }
 
     fn take(&self) -> Vec<Bytes> {
-        self.key
-            .with(|cell| cell.borrow_mut().as_mut().map(std::mem::take))
+        self.cell
+            .borrow_mut()
+            .as_mut()
+            .map(std::mem::take)
             .unwrap_or_default()
     }
 }
 
-impl Drop for Scope {
+impl Drop for Scope<'_> {
     fn drop(&mut self) {
-        let previous = self.previous.take();
-        self.key.with(|cell| *cell.borrow_mut() = previous);
+        *self.cell.borrow_mut() = self.previous.take();
     }
+}
+
+/// Runs `encode` (postcard over a value) in an encoding scope, with no failure reason left
+/// over from before (a reason noted for a failure reported elsewhere must not be taken for
+/// this one); returns its answer and the attachments it set aside. `encode` gets the scope
+/// (to reset it before a second attempt) and what turns a postcard error into the reason.
+fn encoding<R>(
+    encode: impl FnOnce(&Scope<'_>, &dyn Fn(postcard::Error) -> EncodeError) -> Result<R, EncodeError>,
+) -> Result<(R, Vec<Bytes>), EncodeError> {
+    FRAMES.with(|frames| {
+        frames.failure.take();
+        let scope = Scope::open(&frames.encoding, Vec::new());
+        let failed = |e: postcard::Error| {
+            EncodeError::Failed(frames.failure.take().unwrap_or_else(|| e.to_string()))
+        };
+        let answer = encode(&scope, &failed)?;
+        Ok((answer, scope.take()))
+    })
 }
 
 /// How a byte string is written: inline, or as the index of an attachment.
@@ -158,8 +196,8 @@ pub(crate) fn serialize_bytes<S: Serializer>(
     serializer: S,
 ) -> Result<S::Ok, S::Error> {
     let index = if bytes.len() >= OUT_OF_BAND_MIN {
-        ENCODING.with(|cell| {
-            cell.borrow_mut().as_mut().map(|list| {
+        FRAMES.with(|frames| {
+            frames.encoding.borrow_mut().as_mut().map(|list| {
                 list.push(bytes.clone());
                 list.len() as u32 - 1
             })
@@ -250,7 +288,7 @@ fn heap_copy(data: &[u8]) -> Bytes {
 }
 
 fn attachment(index: u32) -> Result<Bytes, String> {
-    DECODING.with(|cell| match cell.borrow().as_ref() {
+    FRAMES.with(|frames| match frames.decoding.borrow().as_ref() {
         None => Err(format!(
             "attachment {index} referred to outside of a shared-memory frame"
         )),
@@ -271,12 +309,6 @@ pub(crate) enum EncodeError {
     /// The value cannot be encoded at all: why (the reason an adag type noted, else the
     /// encoder's text).
     Failed(String),
-}
-
-impl EncodeError {
-    fn failed(e: postcard::Error) -> Self {
-        EncodeError::Failed(super::take_serialize_failure().unwrap_or_else(|| e.to_string()))
-    }
 }
 
 /// Where the table and each attachment of a frame go (a reference takes its record's bytes);
@@ -318,31 +350,38 @@ pub(crate) fn encode_in<T: Serialize + ?Sized>(
     buf: &mut [u8],
     sharing: &dyn Sharing,
 ) -> Result<usize, EncodeError> {
-    // A reason left over from a failure reported elsewhere must not be taken for this one.
-    let _ = super::take_serialize_failure();
-    let scope = Scope::open(&ENCODING, Vec::new());
-    let body = match buf.get_mut(HEADER..) {
-        Some(room) => match postcard::to_slice(value, room) {
-            Ok(body) => Some(body.len()),
-            Err(postcard::Error::SerializeBufferFull) => None,
-            Err(e) => return Err(EncodeError::failed(e)),
-        },
-        None => None,
+    // `Ok(written)`, or `Err(needed)`: the body's length when it does not fit.
+    let (body, attachments) = encoding(|scope, failed| {
+        let written = match buf.get_mut(HEADER..) {
+            Some(room) => match postcard::to_slice(value, room) {
+                Ok(body) => Some(body.len()),
+                Err(postcard::Error::SerializeBufferFull) => None,
+                Err(e) => return Err(failed(e)),
+            },
+            None => None,
+        };
+        match written {
+            Some(len) => Ok(Ok(len)),
+            None => {
+                scope.reset();
+                Ok(Err(
+                    postcard::experimental::serialized_size(value).map_err(failed)?
+                ))
+            }
+        }
+    })?;
+    let body = match body {
+        Ok(len) => len,
+        Err(needed) => {
+            let located: Vec<_> = attachments.iter().map(|b| sharing.locate(b)).collect();
+            return Err(EncodeError::TooSmall(place(
+                needed,
+                &attachments,
+                &located,
+                |_, _| (),
+            )));
+        }
     };
-    let Some(body) = body else {
-        scope.reset();
-        let body = postcard::experimental::serialized_size(value).map_err(EncodeError::failed)?;
-        let attachments = scope.take();
-        let located: Vec<_> = attachments.iter().map(|b| sharing.locate(b)).collect();
-        return Err(EncodeError::TooSmall(place(
-            body,
-            &attachments,
-            &located,
-            |_, _| (),
-        )));
-    };
-    let attachments = scope.take();
-    drop(scope);
     let located: Vec<_> = attachments.iter().map(|b| sharing.locate(b)).collect();
     let total = place(body, &attachments, &located, |_, _| ());
     if total > buf.len() {
@@ -392,11 +431,8 @@ pub(crate) struct Gathered {
 
 /// Encodes `value` as a [`Gathered`] frame.
 pub(crate) fn encode_gathered<T: Serialize + ?Sized>(value: &T) -> Result<Gathered, EncodeError> {
-    let _ = super::take_serialize_failure();
-    let scope = Scope::open(&ENCODING, Vec::new());
-    let head = postcard::to_extend(value, vec![0u8; HEADER]).map_err(EncodeError::failed)?;
-    let attachments = scope.take();
-    drop(scope);
+    let (head, attachments) =
+        encoding(|_, failed| postcard::to_extend(value, vec![0u8; HEADER]).map_err(failed))?;
     let body = head.len() - HEADER;
     let mut head = head;
     head[..8].copy_from_slice(&(body as u64).to_le_bytes());
@@ -601,8 +637,10 @@ pub(crate) fn decode<T: DeserializeOwned>(
 
 /// Decodes a frame's body, its attachments at hand for the values that refer to them.
 fn decode_body<T: DeserializeOwned>(body: &[u8], attachments: Vec<Bytes>) -> Result<T, String> {
-    let _scope = Scope::open(&DECODING, attachments);
-    postcard::from_bytes(body).map_err(|e| e.to_string())
+    FRAMES.with(|frames| {
+        let _scope = Scope::open(&frames.decoding, attachments);
+        postcard::from_bytes(body).map_err(|e| e.to_string())
+    })
 }
 
 /// Decodes a frame held in ordinary memory (tests): attachments are copied.
@@ -737,15 +775,17 @@ mod tests {
 
     #[test]
     fn scopes_nest_and_end_with_a_panic() {
-        let outer = Scope::open(&ENCODING, Vec::new());
-        let result = std::panic::catch_unwind(|| {
-            let _inner = Scope::open(&DECODING, vec![Bytes::from_static(b"x")]);
-            panic!("a serde impl panics");
+        FRAMES.with(|frames| {
+            let outer = Scope::open(&frames.encoding, Vec::new());
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _inner = Scope::open(&frames.decoding, vec![Bytes::from_static(b"x")]);
+                panic!("a serde impl panics");
+            }));
+            assert!(result.is_err());
+            assert!(frames.decoding.borrow().is_none());
+            assert!(frames.encoding.borrow().is_some());
+            drop(outer);
+            assert!(frames.encoding.borrow().is_none());
         });
-        assert!(result.is_err());
-        assert!(DECODING.with(|cell| cell.borrow().is_none()));
-        assert!(ENCODING.with(|cell| cell.borrow().is_some()));
-        drop(outer);
-        assert!(ENCODING.with(|cell| cell.borrow().is_none()));
     }
 }

@@ -42,24 +42,7 @@ impl PartialEq for TypeTag {
     }
 }
 
-thread_local! {
-    /// Why adag's own `Serialize` impls (a device tensor) last failed on this thread: postcard
-    /// keeps no custom error text (it reports "Serde Serialization Error"), so the impl notes
-    /// it here for the encoder to report.
-    static SERIALIZE_FAILURE: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
-}
-
-/// Note why a `Serialize` impl fails (see `SERIALIZE_FAILURE`); returns the text for the
-/// serializer's own error.
-pub(crate) fn note_serialize_failure(text: String) -> String {
-    SERIALIZE_FAILURE.with(|f| *f.borrow_mut() = Some(text.clone()));
-    text
-}
-
-/// The reason noted since the last call, if any.
-pub(crate) fn take_serialize_failure() -> Option<String> {
-    SERIALIZE_FAILURE.with(|f| f.borrow_mut().take())
-}
+pub(crate) use frame::note_serialize_failure;
 
 pub(crate) fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, postcard::Error> {
     postcard::to_stdvec(value)
