@@ -88,26 +88,37 @@ pub(crate) enum CallFailure {
 thread_local! {
     /// The queued calls of the actor whose loop runs on this thread.
     static HOST_CALLS: OnceCell<Arc<Calls>> = const { OnceCell::new() };
+}
+
+/// Where a schedule's loop stands between two executions, shared by the loop and the
+/// schedule's read operations (one per installed schedule, on the actor's thread; not a
+/// thread-local, which the Python extension looks up through the dynamic loader on every
+/// execution).
+#[derive(Debug, Default)]
+pub(crate) struct Between {
     /// Set while the schedule's first operation runs: a read there is waiting *between* two
     /// executions, where a one-off call may run.
-    static BETWEEN: Cell<bool> = const { Cell::new(false) };
+    first_running: Cell<bool>,
     /// Set by a read that gave up its wait between two executions for a one-off call.
-    static INTERRUPTED: Cell<bool> = const { Cell::new(false) };
+    interrupted: Cell<bool>,
 }
 
 /// The read operation of a schedule. Between two executions (the schedule's first operation)
 /// it waits in [`CALL_POLL`] slices and gives up (`Timeout`, which the loop takes as "serve the
 /// calls, then start the execution again") when a one-off call is queued; elsewhere it waits
 /// for its message as any read.
-pub(crate) fn read_between<T>(reader: &mut Reader<T>) -> Result<Msg<T>, ChanError> {
-    if !BETWEEN.get() {
+pub(crate) fn read_between<T>(
+    between: &Between,
+    reader: &mut Reader<T>,
+) -> Result<Msg<T>, ChanError> {
+    if !between.first_running.get() {
         return reader.read(None);
     }
     loop {
         match reader.read(Some(Instant::now() + CALL_POLL)) {
             Err(ChanError::Timeout) => {
                 if HOST_CALLS.with(|c| c.get().is_some_and(|c| c.any())) {
-                    INTERRUPTED.set(true);
+                    between.interrupted.set(true);
                     return Err(ChanError::Timeout);
                 }
             }
@@ -120,16 +131,17 @@ pub(crate) fn read_between<T>(reader: &mut Reader<T>) -> Result<Msg<T>, ChanErro
 /// waiting for the next execution so that a queued one-off call runs: that is `None`, and
 /// nothing of the next execution was read.
 pub(crate) fn between(
+    state: &Between,
     first: bool,
     run: impl FnOnce() -> Result<(), ChanError>,
 ) -> Option<Result<(), ChanError>> {
     if !first {
         return Some(run());
     }
-    BETWEEN.set(true);
+    state.first_running.set(true);
     let r = run();
-    BETWEEN.set(false);
-    if matches!(r, Err(ChanError::Timeout)) && INTERRUPTED.replace(false) {
+    state.first_running.set(false);
+    if matches!(r, Err(ChanError::Timeout)) && state.interrupted.replace(false) {
         None
     } else {
         Some(r)

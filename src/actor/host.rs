@@ -1,7 +1,7 @@
 //! Where an actor lives and how it is reached: the control link (one-off calls, running a
 //! graph's schedule) and the loop that executes a schedule until its channels close.
 use super::call::{
-    CallClaim, CallFailure, Calls, between, calls_here, recv_spinning, serve_calls_here,
+    Between, CallClaim, CallFailure, Calls, between, calls_here, recv_spinning, serve_calls_here,
 };
 use super::channels::GraphChannels;
 use super::comm_ops::{CommCtx, CommGuard, CommMap, build_collective};
@@ -16,6 +16,7 @@ use crate::error::Result;
 use crossbeam_channel::{Receiver, Sender};
 use std::any::Any;
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::Arc;
 
 /// A request to an actor's host thread.
@@ -125,6 +126,7 @@ struct Installed<A> {
     ops: Vec<Op<A>>,
     guard: CommGuard,
     holding: Arc<Holding>,
+    between: Rc<Between>,
 }
 
 pub(crate) struct Host<A: Actor> {
@@ -150,6 +152,7 @@ impl<A: Actor> Host<A> {
                 ops: Vec::new(),
                 guard: CommCtx::<A>::default().guard(),
                 holding: Arc::default(),
+                between: Rc::default(),
             });
         };
         let mut b = TaskBuilder::new(plan, me, chans, self.name.clone());
@@ -216,6 +219,7 @@ impl<A: Actor> Host<A> {
             ops,
             guard,
             holding: b.holding,
+            between: b.between,
         })
     }
 }
@@ -249,6 +253,7 @@ impl<A: Actor> ErasedHost for Host<A> {
             mut ops,
             guard,
             holding,
+            between: state,
         } = match self.build(plan, chans, comms) {
             Ok(built) => built,
             Err(e) => {
@@ -293,7 +298,7 @@ impl<A: Actor> ErasedHost for Host<A> {
                 let timed = exec.is_multiple_of(BUSY_SAMPLE);
                 for (i, (op, compute)) in ops.iter_mut().zip(&computes).enumerate() {
                     let actor = &mut self.actor;
-                    let ran = between(i == 0, || {
+                    let ran = between(&state, i == 0, || {
                         if timed && *compute {
                             let start = mono_ns();
                             let r = op(actor);
@@ -326,7 +331,7 @@ impl<A: Actor> ErasedHost for Host<A> {
                 for (i, op) in ops.iter_mut().enumerate() {
                     let actor = &mut self.actor;
                     let start = mono_ns();
-                    let ran = between(i == 0, || {
+                    let ran = between(&state, i == 0, || {
                         if traced {
                             let (kind, name) = &names[i];
                             let _task = tracing::trace_span!("task", kind, %name).entered();

@@ -4,7 +4,7 @@
 //! generic code here turns it into the operations of an actor's schedule. All type dispatch
 //! happens once, when the schedule is installed: the loop then runs boxed closures over
 //! typed slots and channels, with no lookup by name.
-use super::call::CallFailure;
+use super::call::{Between, CallFailure};
 use super::channels::{ErasedReaderFn, GraphChannels, erased_reader};
 use super::comm_ops::{self, CommCtx, ScheduleWiring};
 use super::lend::{self, Lender};
@@ -426,6 +426,8 @@ pub(crate) struct TaskBuilder<'a, A> {
     pub(crate) comm: CommCtx<A>,
     /// The small frames this actor's network writers hold back (see [`Holding`]).
     pub(crate) holding: Arc<Holding>,
+    /// Where the schedule's loop stands between two executions, for its reads.
+    pub(crate) between: Rc<Between>,
 }
 
 impl<'a, A> TaskBuilder<'a, A> {
@@ -446,6 +448,7 @@ impl<'a, A> TaskBuilder<'a, A> {
             lenders: HashMap::new(),
             comm: Default::default(),
             holding: Arc::default(),
+            between: Rc::default(),
         }
     }
 
@@ -501,6 +504,7 @@ impl<'a, A> TaskBuilder<'a, A> {
         let mut reader = self.chans.reader::<T>(self.plan, edge, self.me)?;
         let mut fill = slot.clone();
         let holding = self.holding.clone();
+        let between = self.between.clone();
         self.reads.insert(
             edge,
             Box::new(move |_: &mut A| {
@@ -508,7 +512,7 @@ impl<'a, A> TaskBuilder<'a, A> {
                     // This read may wait: nothing stays held while it does.
                     holding.release()?;
                 }
-                let msg = super::call::read_between(&mut reader)?;
+                let msg = super::call::read_between(&between, &mut reader)?;
                 holding.note_read(reader.next_is_here());
                 fill.write(msg, None)
             }),
