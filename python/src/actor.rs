@@ -35,6 +35,12 @@ pub struct CallSpec {
     /// Unique per bound node: the worker caches the looked-up method and arguments under it
     /// ([`ONE_OFF`] for a one-off call).
     pub key: u64,
+    /// The compiled graph the call belongs to (its first key; [`ONE_OFF`] for a one-off
+    /// call). A worker keeps what it prepared for the calls of one graph at a time: an actor
+    /// serves one graph at a time, so the first call of another graph drops the last one's
+    /// (its bound methods and constant arguments), and compiling graph after graph over the
+    /// same actors does not grow the worker.
+    pub graph: u64,
     /// The method and its arguments.
     pub body: Arc<CallBody>,
 }
@@ -51,10 +57,12 @@ pub struct CallBody {
 }
 
 impl CallSpec {
-    /// A call of `method` with the pickled `template`, under a key of its own.
-    pub fn new(key: u64, method: String, template: Vec<u8>) -> CallSpec {
+    /// A call of `method` with the pickled `template`, under a key of its own, in graph
+    /// `graph`.
+    pub fn new(key: u64, graph: u64, method: String, template: Vec<u8>) -> CallSpec {
         CallSpec {
             key,
+            graph,
             body: Arc::new(CallBody { method, template }),
         }
     }
@@ -158,7 +166,9 @@ struct Bound_ {
 /// A Python actor: an instance of the user's class in this worker process.
 pub struct PyActor {
     instance: PyObject,
+    /// The prepared calls of the graph `calls_graph`, by key (see [`CallSpec::graph`]).
     calls: HashMap<u64, Bound_>,
+    calls_graph: u64,
 }
 
 fn spawn_error(py: Python<'_>, e: PyErr) -> String {
@@ -193,6 +203,11 @@ impl PyActor {
             once = prepare(&self.instance, py, spec)?;
             &once
         } else {
+            if spec.graph != self.calls_graph {
+                // The last graph is over (one at a time): its calls go, with the GIL held.
+                self.calls.clear();
+                self.calls_graph = spec.graph;
+            }
             match self.calls.entry(spec.key) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => {
@@ -345,6 +360,7 @@ impl PyActor {
                 Ok(instance) => Ok(PyActor {
                     instance,
                     calls: HashMap::new(),
+                    calls_graph: ONE_OFF,
                 }),
                 Err(e) => Err(spawn_error(py, e)),
             }

@@ -133,7 +133,12 @@ impl NativeActor {
     /// A one-off call: `method(*args, **kwargs)` in the worker, all arguments constants
     /// (a pickled template with no node argument).
     fn call(&self, py: Python<'_>, method: String, template: Vec<u8>) -> PyResult<PyObject> {
-        let spec = CallSpec::new(crate::actor::ONE_OFF, method, template);
+        let spec = CallSpec::new(
+            crate::actor::ONE_OFF,
+            crate::actor::ONE_OFF,
+            method,
+            template,
+        );
         let r = py.allow_threads(|| self.handle.call().call0(spec));
         let v = r.map_err(|e| to_py_err(py, e))?;
         loads(py, &v)
@@ -378,6 +383,8 @@ impl NativeGraph {
             .map(|j| input.field(&format!("part{j}"), move |i: &PyInput| i.parts[j].clone()))
             .collect();
         let mut built: Vec<Node<PyValue>> = Vec::with_capacity(nodes.len());
+        // Names the graph in its calls (see `CallSpec::graph`).
+        let graph_key = fresh_key();
         for (actor, method, template, args, label) in nodes {
             if args.len() > MAX_NODE_ARGS {
                 return Err(PyValueError::new_err(format!(
@@ -387,6 +394,7 @@ impl NativeGraph {
             }
             let mut erased = vec![ErasedArg::constant(CallSpec::new(
                 fresh_key(),
+                graph_key,
                 method.clone(),
                 template,
             ))];

@@ -19,6 +19,9 @@ class Echo:
     def count(self):
         return self.calls
 
+    def plus_len(self, x, blob):
+        return x + len(blob)
+
     def pid(self):
         return os.getpid()
 

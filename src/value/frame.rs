@@ -164,12 +164,15 @@ impl Drop for Scope<'_> {
     }
 }
 
+/// Turns a postcard error into why an encoding failed (the reason an adag type noted, if any).
+type Failed<'a> = &'a dyn Fn(postcard::Error) -> EncodeError;
+
 /// Runs `encode` (postcard over a value) in an encoding scope, with no failure reason left
 /// over from before (a reason noted for a failure reported elsewhere must not be taken for
 /// this one); returns its answer and the attachments it set aside. `encode` gets the scope
 /// (to reset it before a second attempt) and what turns a postcard error into the reason.
 fn encoding<R>(
-    encode: impl FnOnce(&Scope<'_>, &dyn Fn(postcard::Error) -> EncodeError) -> Result<R, EncodeError>,
+    encode: impl FnOnce(&Scope<'_>, Failed<'_>) -> Result<R, EncodeError>,
 ) -> Result<(R, Vec<Bytes>), EncodeError> {
     FRAMES.with(|frames| {
         frames.failure.take();
