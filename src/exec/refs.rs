@@ -529,6 +529,7 @@ pub fn wait_first<T: Value>(refs: Vec<CompiledRef<T>>, timeout: Duration) -> Res
             let d = Some(deadline.map_or(end, |d| d.min(end)));
             for i in 0..refs.len() {
                 if refs[i].inner.wait_ready(d)? {
+                    let i = first_ready_before(&refs, i)?;
                     return Ok(claim_first(refs, i));
                 }
             }
