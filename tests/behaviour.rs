@@ -2963,16 +2963,10 @@ fn gets_in_any_order_with_dropped_refs_never_swap_results() {
             let g = dag
                 .compile(a.echo(dag.input()), opts().max_inflight_executions(6))
                 .unwrap();
-            let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-            let mut next = move || {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                seed
-            };
+            let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
             let mut x = 0u64;
             for round in 0..300 {
-                let n = 1 + (next() % 5) as usize;
+                let n = 1 + rng.below(5) as usize;
                 let mut refs: Vec<_> = (0..n)
                     .map(|_| {
                         x += 1;
@@ -2981,11 +2975,11 @@ fn gets_in_any_order_with_dropped_refs_never_swap_results() {
                     .collect();
                 // A permutation of the refs; each is got or, one time in four, dropped unread.
                 for i in (1..n).rev() {
-                    refs.swap(i, (next() % (i as u64 + 1)) as usize);
+                    refs.swap(i, rng.below(i as u64 + 1) as usize);
                 }
                 for (input, r) in &mut refs {
                     let r = r.take().unwrap();
-                    if next() % 4 == 0 {
+                    if rng.below(4) == 0 {
                         drop(r);
                     } else {
                         assert_eq!(r.get().unwrap(), *input + 5, "[{p:?}] round {round}");

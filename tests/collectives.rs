@@ -16,7 +16,7 @@ use adag::{
     ActorHandle, CompileOptions, CustomCommunicator, Dag, DefaultCommunicator, Error, MultiOutput,
     Placement, Runtime, SpawnOptions, Tensor, Transport,
 };
-use common::with_watchdog;
+use common::{Rng, with_watchdog};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1613,18 +1613,6 @@ fn one_f_one_b_on_the_cpu_communicator() {
 // ---------------------------------------------------------------------------------------
 // Random graphs of communicator operations against a reference interpreter
 // ---------------------------------------------------------------------------------------
-
-/// xorshift64*: reproducible graphs (the seed is printed; ADAG_COMM_SEED replays one).
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) % n
-    }
-}
 
 /// One tensor of a random graph: its node, its actor, and how to compute it.
 struct RandTensor {

@@ -15,10 +15,12 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+mod common;
 #[path = "../examples/soak.rs"]
 #[allow(dead_code)]
 mod soak;
 
+use common::Rng;
 use soak::{fd_count, fd_targets, maps_count, thread_count};
 
 // ---------------------------------------------------------------------------------------
@@ -229,33 +231,18 @@ fn settle(
     }
 }
 
-/// xorshift64*: reproducible random delays (the seed is printed).
-struct Rng(u64);
-
-impl Rng {
-    fn seeded() -> Rng {
-        let seed = std::env::var("ADAG_RELIABILITY_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(1, |d| d.as_nanos() as u64)
-            });
-        eprintln!("random seed {seed} (set ADAG_RELIABILITY_SEED to replay)");
-        Rng(seed.max(1))
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
+/// Reproducible random delays (the seed is printed).
+fn seeded_rng() -> Rng {
+    let seed = std::env::var("ADAG_RELIABILITY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    eprintln!("random seed {seed} (set ADAG_RELIABILITY_SEED to replay)");
+    Rng(seed.max(1))
 }
 
 fn percentiles(mut v: Vec<Duration>) -> String {
@@ -596,7 +583,7 @@ fn kill_one_run(rt: &Runtime, run: usize, rng: &mut Rng) -> Duration {
 
 fn kill_runs(runs: usize) -> Vec<Duration> {
     let rt = Runtime::new().unwrap();
-    let mut rng = Rng::seeded();
+    let mut rng = seeded_rng();
     let mut latencies = Vec::new();
     for run in 0..runs {
         latencies.push(kill_one_run(&rt, run, &mut rng));

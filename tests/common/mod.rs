@@ -12,6 +12,24 @@ use std::time::Duration;
 /// Generous per-placement time limit of one test body.
 pub const WATCHDOG_SECS: u64 = 60;
 
+/// xorshift64*: reproducible random choices of the tests (each test says where its seed
+/// comes from and prints it when it varies).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// A number below `n`, from the output's high bits.
+    pub fn below(&mut self, n: u64) -> u64 {
+        (self.next() >> 33) % n
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Test actors
 // ---------------------------------------------------------------------------------------
