@@ -2,7 +2,7 @@
 //! reader's type (a stale worker binary whose declared type differs), truncated frames and
 //! random frame bytes (proptest). What is checked: a typed `ChanError::Codec` naming the
 //! reader's type, and the channel still in step afterwards; never a panic, UB or a hang.
-use super::shm::{ShmChannel, ShmConfig, ShmRx, ShmTx};
+use super::shm::{Form, Room, ShmChannel, ShmConfig, ShmRx, ShmTx, Written};
 use super::{ChanError, ChannelReader, ChannelWriter, Msg};
 use crate::error::TaskError;
 use crate::value::Value;
@@ -177,7 +177,7 @@ fn frame_of<T: Serialize>(value: &T) -> Vec<u8> {
 /// Writes `bytes` as one frame of kind `tag`, bypassing the typed encoder.
 fn write_raw(pc: &ShmChannel, w: &mut super::shm::ShmWriter, tag: u8, bytes: &[u8]) {
     let _ = pc;
-    w.write(
+    w.write_framed(
         tag,
         &mut |buf: &mut [u8]| {
             if buf.len() < bytes.len() {
@@ -191,26 +191,148 @@ fn write_raw(pc: &ShmChannel, w: &mut super::shm::ShmWriter, tag: u8, bytes: &[u
     .expect("write a raw frame");
 }
 
-/// Every frame gives a value, a task error or a codec error naming `T`, at once.
+/// Writes `bytes` as a bare body of kind `tag` in the slot's line (they fit there, and the
+/// channel's frames have all been small: its writer tries the line first).
+fn write_raw_bare(w: &mut super::shm::ShmWriter, tag: u8, bytes: &[u8]) {
+    w.write(
+        tag,
+        &mut |buf: &mut [u8], room: Room| {
+            assert_eq!(
+                room,
+                Room::SlotLine,
+                "a channel of small frames tries the line"
+            );
+            buf[..bytes.len()].copy_from_slice(bytes);
+            Ok(Written {
+                len: bytes.len(),
+                form: Form::Bare,
+            })
+        },
+        soon(),
+    )
+    .expect("write a raw bare body");
+}
+
+/// Every frame gives a value, a task error or a codec error naming `T`, at once; so does every
+/// one small enough for a slot's line read as a bare body.
 fn read_random_frames<T: Value + std::fmt::Debug>(
     frames: &[(u8, Vec<u8>)],
 ) -> Result<(), TestCaseError> {
-    let pc = chans(2);
-    let mut w = pc.writer();
-    let mut r = ShmRx::<T>::new(pc.reader(0));
+    let (framed, bare) = (chans(2), chans(2));
+    let (mut w, mut bare_w) = (framed.writer(), bare.writer());
+    let mut r = ShmRx::<T>::new(framed.reader(0));
+    let mut bare_r = ShmRx::<T>::new(bare.reader(0));
     for (tag, bytes) in frames {
-        write_raw(&pc, &mut w, *tag, bytes);
-        let t = Instant::now();
-        match r.read(soon()) {
-            Ok(_) => {}
-            Err(ChanError::Codec(text)) => {
-                prop_assert!(text.contains(std::any::type_name::<T>()), "{}", text);
-            }
-            Err(other) => prop_assert!(false, "frame {:?}: {:?}", bytes, other),
+        write_raw(&framed, &mut w, *tag, bytes);
+        let mut reads = vec![&mut r];
+        if bytes.len() <= SLOT_LINE_ROOM {
+            write_raw_bare(&mut bare_w, *tag, bytes);
+            reads.push(&mut bare_r);
         }
-        prop_assert!(t.elapsed() < Duration::from_secs(1));
+        for r in reads {
+            let t = Instant::now();
+            match r.read(soon()) {
+                Ok(_) => {}
+                Err(ChanError::Codec(text)) => {
+                    prop_assert!(text.contains(std::any::type_name::<T>()), "{}", text);
+                }
+                Err(other) => prop_assert!(false, "frame {:?}: {:?}", bytes, other),
+            }
+            prop_assert!(t.elapsed() < Duration::from_secs(1));
+        }
     }
     Ok(())
+}
+
+/// The room for a payload in a slot's own line.
+const SLOT_LINE_ROOM: usize = 96;
+
+/// The form each message of `reader` came in.
+fn forms(reader: &mut super::shm::ShmReader, n: usize) -> Vec<Form> {
+    (0..n).map(|_| reader.read(soon()).unwrap().form).collect()
+}
+
+#[test]
+fn small_values_travel_bare_in_the_slot_line_and_large_ones_as_frames() {
+    // Sizes around the line's room, a value with an attachment, then small ones again.
+    let lens = [0usize, 1, 60, 94, 95, 96, 200, 8, 40_000, 3, 2, 90, 5];
+    // A buffer's encoding: its variant (inline), its length (a varint), its bytes.
+    let fits = |len: usize| 1 + if len < 128 { 1 } else { 2 } + len <= SLOT_LINE_ROOM;
+    let value = |len: usize| crate::Buffer::from((0..len).map(|i| i as u8).collect::<Vec<_>>());
+    // Typed both ways: every value comes back whole.
+    let pc = chans(4);
+    let (mut w, mut r) = typed_pair::<crate::Buffer, crate::Buffer>(&pc);
+    for len in lens {
+        w.write(Msg::Value(value(len)), soon()).unwrap();
+        match r.read(soon()).unwrap() {
+            Msg::Value(got) => assert_eq!(got, value(len), "{len} bytes"),
+            Msg::Error(e) => panic!("{len} bytes: {e:?}"),
+        }
+    }
+    // Read raw: the form of each. After a frame too large for the line the writer goes back
+    // to the line one message later (the first small one still goes to its block).
+    let pc = chans(4);
+    let mut w = ShmTx::<crate::Buffer>::new(pc.writer());
+    let mut raw = pc.reader(0);
+    let mut expected = Vec::new();
+    let mut line_first = true;
+    for len in lens {
+        w.write(Msg::Value(value(len)), soon()).unwrap();
+        let bare = line_first && fits(len);
+        expected.push(if bare { Form::Bare } else { Form::Framed });
+        line_first = fits(len);
+        assert_eq!(
+            forms(&mut raw, 1),
+            expected[expected.len() - 1..],
+            "{len} bytes"
+        );
+    }
+    assert!(expected.contains(&Form::Bare) && expected.contains(&Form::Framed));
+    // A small task error travels bare too, and arrives as the error.
+    let e = Arc::new(TaskError::new("a", "m", "boom"));
+    assert!(postcard::to_allocvec(&*e).unwrap().len() <= SLOT_LINE_ROOM);
+    for typed in [true, false] {
+        let pc = chans(2);
+        let mut w = ShmTx::<u64>::new(pc.writer());
+        w.write(Msg::Error(e.clone()), soon()).unwrap();
+        if typed {
+            match ShmRx::<u64>::new(pc.reader(0)).read(soon()).unwrap() {
+                Msg::Error(got) => assert_eq!(*got, *e),
+                Msg::Value(v) => panic!("expected the task error, got {v}"),
+            }
+        } else {
+            assert_eq!(forms(&mut pc.reader(0), 1), [Form::Bare]);
+        }
+    }
+}
+
+#[test]
+fn a_bare_body_outside_a_slot_line_is_refused() {
+    let pc = chans(2);
+    let mut w = pc.writer();
+    let mut r = ShmRx::<u64>::new(pc.reader(0));
+    // A frame too large for the line sends the writer to the block, where a bare body is
+    // refused before anything is published.
+    write_raw(&pc, &mut w, 0, &frame_of(&(1u64, vec![7u8; 500])));
+    assert!(matches!(r.read(soon()), Ok(Msg::Value(1))));
+    let err = w
+        .write(
+            0,
+            &mut |buf: &mut [u8], room: Room| {
+                assert_eq!(room, Room::Block);
+                buf[0] = 9;
+                Ok(Written {
+                    len: 1,
+                    form: Form::Bare,
+                })
+            },
+            soon(),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("bare body into a block"), "{err}");
+    // Nothing was published; the channel goes on.
+    write_raw(&pc, &mut w, 0, &frame_of(&41u64));
+    assert!(matches!(r.read(soon()), Ok(Msg::Value(41))));
 }
 
 /// Random frames: random bytes, or a random body behind a well-formed header with a random

@@ -34,7 +34,7 @@ fn write(writer: &mut RingWriter<Arc<HeapRing>>, slots: &Slots, messages: u64) {
 
 fn read(reader: &mut RingReader<Arc<HeapRing>>, slots: &Slots, messages: u64) {
     for expected in 0..messages {
-        let seq = reader.acquire(None).unwrap();
+        let seq = reader.acquire(None).unwrap().0;
         assert_eq!(seq, expected);
         assert_eq!(slots.read(seq), value(seq));
         reader.release(seq);
@@ -115,7 +115,7 @@ fn pinned_payload_outlives_its_slot() {
         let consumer = {
             let (slots, blocks) = (slots.clone(), blocks.clone());
             thread::spawn(move || {
-                let seq = reader.acquire(None).unwrap();
+                let seq = reader.acquire(None).unwrap().0;
                 let kept = slots.read(seq) as usize;
                 ring::pin(&blocks[kept].pins);
                 reader.release(seq);
@@ -128,7 +128,7 @@ fn pinned_payload_outlives_its_slot() {
                         ring::unpin(&blocks[kept].pins);
                     })
                 };
-                let seq = reader.acquire(None).unwrap();
+                let seq = reader.acquire(None).unwrap().0;
                 let block = slots.read(seq) as usize;
                 // SAFETY: the slot is acquired and its block was written before the publish.
                 let v = blocks[block].data.with(|d| unsafe { *d });

@@ -30,6 +30,10 @@
 //! readers ([`Sharing::commit`]) before it publishes the frame; each reader adopts one when it
 //! decodes the frame, and releases it when its value drops the bytes.
 //!
+//! A value small enough for a shared-memory slot's own line travels as a *bare* body instead
+//! ([`encode_bare`]): the postcard body alone, no header, no table, since it cannot hold an
+//! attachment; the slot says which of the two it holds.
+//!
 //! Encoders and decoders find the attachments through a thread-local scope that the frame
 //! functions open around postcard, so serde impls need no extra arguments and a value encoded
 //! anywhere else (a one-off call, a user's own serializer) simply carries its bytes inline.
@@ -421,6 +425,71 @@ pub(crate) fn encode_in<T: Serialize + ?Sized>(
     Ok(total)
 }
 
+/// Encodes `value` into `buf` as a frame's *bare body*: its postcard encoding alone, with no
+/// header and no table, for a channel slot's own line (a few dozen bytes), where no attachment
+/// fits anyway (an attachment is at least [`OUT_OF_BAND_MIN`] bytes, a reference's record
+/// alone [`REF_RECORD`]). Returns its length, or `None` when it does not fit, fails to encode,
+/// or an encoding scope is open on this thread (its byte strings would be attached): the
+/// caller then encodes a whole frame, which tells the size or the reason.
+pub(crate) fn encode_bare<T: Serialize + ?Sized>(value: &T, buf: &mut [u8]) -> Option<usize> {
+    // No scope here, so byte strings go inline: a large one does not fit, and a small one is
+    // inline in a frame too.
+    if FRAMES.with(|frames| frames.encoding.borrow().is_some()) {
+        return None;
+    }
+    postcard::serialize_with_flavor(value, Line { buf, len: 0 }).ok()
+}
+
+/// Postcard's output into a slot line's few dozen bytes. Postcard hands most of a small value
+/// over in runs of 1 to 10 bytes (its varints), which its `Slice` output copies with a call
+/// to `memmove` each, a tenth of a small message's whole write and read; short runs are
+/// copied here byte by byte.
+struct Line<'a> {
+    buf: &'a mut [u8],
+    len: usize,
+}
+
+/// Runs up to this long are copied byte by byte.
+const SHORT_RUN: usize = 16;
+
+impl postcard::ser_flavors::Flavor for Line<'_> {
+    type Output = usize;
+
+    #[inline(always)]
+    fn try_push(&mut self, byte: u8) -> postcard::Result<()> {
+        let at = self
+            .buf
+            .get_mut(self.len)
+            .ok_or(postcard::Error::SerializeBufferFull)?;
+        *at = byte;
+        self.len += 1;
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        if data.len() <= SHORT_RUN {
+            return data.iter().try_for_each(|byte| self.try_push(*byte));
+        }
+        let end = self.len + data.len();
+        self.buf
+            .get_mut(self.len..end)
+            .ok_or(postcard::Error::SerializeBufferFull)?
+            .copy_from_slice(data);
+        self.len = end;
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<usize> {
+        Ok(self.len)
+    }
+}
+
+/// Decodes a bare body ([`encode_bare`]).
+pub(crate) fn decode_bare<T: DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+    postcard::from_bytes(body).map_err(|e| e.to_string())
+}
+
 /// A frame encoded for a stream (the network): its head (header, body and table) in one
 /// buffer, and its attachments where they already are, each after the zero padding that
 /// aligns it. Written in order they are the bytes [`encode`] would place in a slot; nothing
@@ -694,6 +763,41 @@ mod tests {
         let mut short = vec![0; needed - 1];
         assert!(matches!(encode(value, &mut short), Err(EncodeError::TooSmall(n)) if n == needed));
         buf
+    }
+
+    #[test]
+    fn a_bare_body_round_trips_and_declines_what_needs_a_frame() {
+        let mut line = [0u8; 96];
+        let value = (7u64, "seven".to_string(), Buffer::from(vec![3u8; 40]));
+        let len = encode_bare(&value, &mut line).expect("fits the line");
+        assert_eq!(len, postcard::to_allocvec(&value).unwrap().len());
+        assert_eq!(
+            decode_bare::<(u64, String, Buffer)>(&line[..len]).unwrap(),
+            value
+        );
+        // Too long for the line; a buffer that would be an attachment in a frame.
+        assert_eq!(encode_bare(&vec![1u8; 200], &mut line), None);
+        assert_eq!(
+            encode_bare(&Buffer::from(vec![1u8; OUT_OF_BAND_MIN]), &mut line),
+            None
+        );
+        // Inside an encoding scope a large buffer would be attached: a frame it is.
+        let inside = encoding(|_, _| Ok(encode_bare(&5u64, &mut line)))
+            .unwrap()
+            .0;
+        assert_eq!(inside, None);
+        assert!(
+            encode_bare(&5u64, &mut line).is_some(),
+            "the scope is closed again"
+        );
+        // A failing value declines too (the frame's encoding says why).
+        struct Refuses;
+        impl Serialize for Refuses {
+            fn serialize<S: Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+                Err(serde::ser::Error::custom("no"))
+            }
+        }
+        assert_eq!(encode_bare(&Refuses, &mut line), None);
     }
 
     #[test]

@@ -734,7 +734,7 @@ pub(crate) fn relay(stream: TcpStream, mut shm: ShmWriter, limit: usize) -> Resu
         }
         let len = len as usize;
         let mut failed: Option<io::Error> = None;
-        let written = shm.write(
+        let written = shm.write_framed(
             tag,
             &mut |buf: &mut [u8]| {
                 if buf.len() < len {

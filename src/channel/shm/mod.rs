@@ -17,7 +17,8 @@ pub(crate) mod memory;
 pub(crate) mod ring;
 
 pub(crate) use memory::{
-    RingError, ShmChannel, ShmConfig, ShmGroup, ShmReader, ShmWriter, WriteSharing,
+    Form, RingError, Room, ShmChannel, ShmConfig, ShmGroup, ShmReader, ShmWriter, WriteSharing,
+    Written,
 };
 
 impl From<RingError> for ChanError {
@@ -36,9 +37,11 @@ pub(crate) const TAG_VALUE: u8 = 0;
 /// The tag of a slot that holds a [`TaskError`].
 pub(crate) const TAG_ERROR: u8 = 1;
 
-/// Encode `value` as a frame straight into a slot of `shm` (large byte strings out of band,
-/// by reference where `sharing` locates them), growing the channel when the slot is too small,
-/// and telling that apart from a value that cannot be encoded at all.
+/// Encode `value` straight into a slot of `shm`: in the slot's own line as a bare body when it
+/// is that small (no frame header to write or check: the common small message), else as a
+/// frame in the slot's block (large byte strings out of band, by reference where `sharing`
+/// locates them), growing the channel when the block is too small, and telling that apart
+/// from a value that cannot be encoded at all.
 pub(crate) fn write_encoded<T: Serialize + ?Sized>(
     shm: &mut ShmWriter,
     sharing: &WriteSharing,
@@ -51,16 +54,34 @@ pub(crate) fn write_encoded<T: Serialize + ?Sized>(
     let mut bytes = 0u64;
     let written = shm.write(
         tag,
-        &mut |buf: &mut [u8]| match frame::encode_in(value, buf, sharing) {
-            Ok(len) => {
-                bytes = len as u64;
-                Ok(len)
+        &mut |buf: &mut [u8], room: Room| {
+            if room == Room::SlotLine {
+                return match frame::encode_bare(value, buf) {
+                    Some(len) => {
+                        bytes = len as u64;
+                        Ok(Written {
+                            len,
+                            form: Form::Bare,
+                        })
+                    }
+                    // Not in the line: the block's attempt tells the size, or why it fails.
+                    None => Err(buf.len() + 1),
+                };
             }
-            Err(frame::EncodeError::TooSmall(needed)) => Err(needed),
-            Err(frame::EncodeError::Failed(e)) => {
-                failure = Some(e);
-                // Over any ceiling: the writer gives up at once, without growing.
-                Err(usize::MAX)
+            match frame::encode_in(value, buf, sharing) {
+                Ok(len) => {
+                    bytes = len as u64;
+                    Ok(Written {
+                        len,
+                        form: Form::Framed,
+                    })
+                }
+                Err(frame::EncodeError::TooSmall(needed)) => Err(needed),
+                Err(frame::EncodeError::Failed(e)) => {
+                    failure = Some(e);
+                    // Over any ceiling: the writer gives up at once, without growing.
+                    Err(usize::MAX)
+                }
             }
         },
         deadline,
@@ -180,13 +201,22 @@ impl<T> ShmRx<T> {
 impl<T: DeserializeOwned> ChannelReader<T> for ShmRx<T> {
     fn read(&mut self, deadline: Option<Instant>) -> Result<Msg<T>, ChanError> {
         let slot = self.shm.read(deadline)?;
-        let (data, capacity) = (slot.data(), slot.block_capacity());
-        let keep = || Bytes::from_owner(slot.pin());
-        let sharing = slot.sharing();
-        let decoded = match slot.tag {
-            TAG_VALUE => frame::decode::<T>(data, capacity, keep, &sharing).map(Msg::Value),
-            _ => frame::decode::<TaskError>(data, capacity, keep, &sharing)
-                .map(|e| Msg::Error(Arc::new(e))),
+        let data = slot.data();
+        let decoded = match (slot.form, slot.tag) {
+            (Form::Bare, TAG_VALUE) => frame::decode_bare::<T>(data).map(Msg::Value),
+            (Form::Bare, _) => {
+                frame::decode_bare::<TaskError>(data).map(|e| Msg::Error(Arc::new(e)))
+            }
+            (Form::Framed, tag) => {
+                let capacity = slot.block_capacity();
+                let keep = || Bytes::from_owner(slot.pin());
+                let sharing = slot.sharing();
+                match tag {
+                    TAG_VALUE => frame::decode::<T>(data, capacity, keep, &sharing).map(Msg::Value),
+                    _ => frame::decode::<TaskError>(data, capacity, keep, &sharing)
+                        .map(|e| Msg::Error(Arc::new(e))),
+                }
+            }
         };
         decoded.map_err(|e| {
             ChanError::Codec(format!(

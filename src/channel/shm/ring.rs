@@ -157,9 +157,9 @@ pub(crate) trait RingMemory: Clone {
     fn control(&self) -> &RingControl;
     /// The cursor of reader `index`; `index < control().readers()`.
     fn cursor(&self, index: u32) -> &Cursor;
-    /// The stamp of the slot of sequence `seq` (slot `seq % depth`): on the line that the
-    /// reader of the message reads first.
-    fn stamp(&self, seq: u64) -> &AtomicU64;
+    /// The stamp of slot `slot` (that of every sequence `seq` with `seq % depth == slot`): on
+    /// the line that the reader of the message reads first.
+    fn stamp(&self, slot: usize) -> &AtomicU64;
 }
 
 /// A ring in ordinary memory, for the loom models and threaded tests (loom cannot model a
@@ -193,8 +193,8 @@ impl RingMemory for Arc<HeapRing> {
     fn cursor(&self, index: u32) -> &Cursor {
         &self.cursors[index as usize]
     }
-    fn stamp(&self, seq: u64) -> &AtomicU64 {
-        &self.stamps[(seq % self.stamps.len() as u64) as usize]
+    fn stamp(&self, slot: usize) -> &AtomicU64 {
+        &self.stamps[slot]
     }
 }
 
@@ -206,8 +206,19 @@ pub(crate) struct RingWriter<M: RingMemory> {
     policy: SpinPolicy,
     /// Sequence number of the next message.
     next: u64,
+    /// Its slot, `next % depth`, kept in step instead of divided out per message.
+    slot: usize,
     /// A lower bound of every reader's cursor, cached so that the fast path reads no cursor.
     min_released: u64,
+}
+
+/// The slot after `slot` in a ring of `depth` slots.
+fn following(slot: usize, depth: u64) -> usize {
+    if slot as u64 + 1 == depth {
+        0
+    } else {
+        slot + 1
+    }
 }
 
 impl<M: RingMemory> RingWriter<M> {
@@ -226,12 +237,18 @@ impl<M: RingMemory> RingWriter<M> {
             depth,
             policy: SpinPolicy::new(spin),
             next,
+            slot: 0,
             min_released,
         })
     }
 
     pub(crate) fn memory(&self) -> &M {
         &self.mem
+    }
+
+    /// The slot of the sequence [`reserve`](Self::reserve) returns.
+    pub(crate) fn slot(&self) -> usize {
+        self.slot
     }
 
     /// Waits until slot `next % depth` is free and returns `next`, the sequence number the
@@ -264,9 +281,10 @@ impl<M: RingMemory> RingWriter<M> {
             self.next - self.min_released < self.depth,
             "publish without reserve"
         );
-        let seq = self.next;
+        let (seq, slot) = (self.next, self.slot);
         self.next += 1;
-        self.mem.stamp(seq).store(seq + 1, Ordering::Release);
+        self.slot = following(slot, self.depth);
+        self.mem.stamp(slot).store(seq + 1, Ordering::Release);
         self.mem.control().data.notify();
     }
 }
@@ -300,6 +318,9 @@ pub(crate) struct RingReader<M: RingMemory> {
     policy: SpinPolicy,
     /// Sequence number of the next message to acquire.
     next: u64,
+    /// Its slot, `next % depth`.
+    slot: usize,
+    depth: u64,
 }
 
 impl<M: RingMemory> RingReader<M> {
@@ -315,10 +336,13 @@ impl<M: RingMemory> RingReader<M> {
             return None;
         }
         let next = cursor.released.load(Ordering::Acquire);
+        let depth = u64::from(ctl.depth());
         Some(Self {
             index,
             policy: SpinPolicy::new(spin),
             next,
+            slot: (next % depth) as usize,
+            depth,
             mem,
         })
     }
@@ -327,12 +351,12 @@ impl<M: RingMemory> RingReader<M> {
         &self.mem
     }
 
-    /// Waits for the next message and returns its sequence number; the caller reads slot
-    /// `seq % depth` and then calls [`release`](Self::release).
+    /// Waits for the next message and returns its sequence number and slot (`seq % depth`);
+    /// the caller reads the slot and then calls [`release`](Self::release).
     /// After a close, messages already published are still returned, then `Closed`.
-    pub(crate) fn acquire(&mut self, deadline: Option<Instant>) -> Result<u64, RingError> {
-        let (ctl, next) = (self.mem.control(), self.next);
-        let stamp = self.mem.stamp(next);
+    pub(crate) fn acquire(&mut self, deadline: Option<Instant>) -> Result<(u64, usize), RingError> {
+        let (ctl, next, slot) = (self.mem.control(), self.next, self.slot);
+        let stamp = self.mem.stamp(slot);
         let ready = ctl.data.wait(&mut self.policy, deadline, || {
             // `closed` first: if the writer closed after its last publish, seeing the close
             // (acquire) implies seeing that publish.
@@ -347,7 +371,8 @@ impl<M: RingMemory> RingReader<M> {
         });
         ready.ok_or(RingError::Timeout)??;
         self.next += 1;
-        Ok(next)
+        self.slot = following(slot, self.depth);
+        Ok((next, slot))
     }
 
     /// Releases `seq`, the latest sequence acquired: its slot may be reused once every reader
@@ -444,8 +469,9 @@ mod tests {
                     let slots = slots.clone();
                     thread::spawn(move || {
                         for expected in 0..MESSAGES {
-                            let seq = reader.acquire(None).unwrap();
+                            let (seq, slot) = reader.acquire(None).unwrap();
                             assert_eq!(seq, expected);
+                            assert_eq!(slot as u64, seq % u64::from(DEPTH));
                             assert_eq!(slots.read(seq), seq * 7 + 1);
                             reader.release(seq);
                         }
