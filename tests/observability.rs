@@ -550,6 +550,41 @@ fn statistics_count_what_ran() {
     });
 }
 
+/// An actor's busy time is its methods' time, not the time its loop waits for the next
+/// input, also where a read, the method and the write run as one fused operation (as in this
+/// chain of one-argument methods).
+#[test]
+fn busy_time_counts_the_methods_not_the_waits_for_input() {
+    guarded(|| {
+        let rt = Runtime::new().unwrap();
+        let a = rt
+            .spawn_named::<Chatty>(Placement::Process, "P", 1)
+            .unwrap();
+        let b = rt.spawn_named::<Chatty>(Placement::Thread, "T", 1).unwrap();
+        let dag = Dag::<u64>::new();
+        let graph = dag
+            .compile(b.step(a.step(dag.input())), CompileOptions::default())
+            .unwrap();
+        // Each actor waits ~300 ms for every input and runs its method for ~200 µs; only
+        // the first execution is timed and the estimate scales it by three. Counting the
+        // waits would give ~900 ms.
+        let gap = Duration::from_millis(300);
+        for i in 0..3 {
+            std::thread::sleep(gap);
+            assert_eq!(graph.execute(i).unwrap().get().unwrap(), i + 2);
+        }
+        graph.teardown().unwrap();
+        let s = graph.stats();
+        for a in &s.actors {
+            assert!(a.reported, "{a:?}");
+            assert_eq!(a.executions, 3, "{a:?}");
+            // Three sleeps of at least 200 µs each, as the estimate counts them.
+            assert!(a.busy >= Duration::from_micros(600), "{a:?}");
+            assert!(a.busy < gap, "the waits were counted as busy time: {a:?}");
+        }
+    });
+}
+
 #[test]
 fn growth_of_a_shared_memory_channel_is_counted() {
     guarded(|| {

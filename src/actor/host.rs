@@ -6,7 +6,7 @@ use super::call::{
 use super::channels::GraphChannels;
 use super::comm_ops::{CommCtx, CommGuard, CommMap, build_collective};
 use super::method::{TaskBuilder, find};
-use super::observe::{BUSY_SAMPLE, Recorder, bump, mono_ns};
+use super::observe::{BUSY_SAMPLE, BusyClock, Recorder, bump, mono_ns};
 use super::op::Op;
 use super::{Actor, MethodEntry};
 use crate::channel::Holding;
@@ -124,6 +124,10 @@ fn serve_between(host: &mut dyn ErasedHost, control: &Receiver<Control>, holding
 /// its network writers hold back.
 struct Installed<A> {
     ops: Vec<Op<A>>,
+    /// Per operation: whether the loop times it as the actor's busy time (a method's compute;
+    /// a fused operation times its method itself, in `busy`).
+    computes: Vec<bool>,
+    busy: Rc<BusyClock>,
     guard: CommGuard,
     holding: Arc<Holding>,
     between: Rc<Between>,
@@ -140,16 +144,25 @@ fn method<A: Actor>(name: &str) -> Result<&'static MethodEntry<A>, CallFailure> 
 }
 
 impl<A: Actor> Host<A> {
+    /// Builds this actor's schedule of `plan`. With `fuse`, a read, the method that takes it
+    /// as its one node argument and the write of the method's result run as one operation where nothing
+    /// else of the actor uses the two values: no slots between them, one dynamic call
+    /// instead of three (an echo's round trip is a few hundred cycles; these were ~50). The
+    /// operations then no longer match the plan's one for one, so a timeline or trace,
+    /// which name the plan's operations, builds without.
     fn build(
         &self,
         plan: &GraphPlan,
         chans: &GraphChannels,
         comms: &CommMap,
+        fuse: bool,
     ) -> Result<Installed<A>, String> {
         let me = Loc::Actor(self.id);
         let Some(mine) = plan.actors.iter().find(|a| a.actor == self.id) else {
             return Ok(Installed {
                 ops: Vec::new(),
+                computes: Vec::new(),
+                busy: Rc::default(),
                 guard: CommCtx::<A>::default().guard(),
                 holding: Arc::default(),
                 between: Rc::default(),
@@ -159,7 +172,30 @@ impl<A: Actor> Host<A> {
         b.comm = CommCtx::new(comms.clone(), &mine.ops);
         let mut computes: HashMap<u64, Op<A>> = HashMap::new();
         let missing = |m: &str| format!("actor {} has no method {m}", self.name);
-        for op in &mine.ops {
+        // Fused operations, by the index of their read in the plan's schedule.
+        let mut fused: HashMap<usize, Op<A>> = HashMap::new();
+        for at in 0..mine.ops.len() {
+            let Some((node, edge)) = fuse.then(|| b.fusable(&mine.ops, at)).flatten() else {
+                continue;
+            };
+            let OpSpec::Compute {
+                method: m, args, ..
+            } = &mine.ops[at + 1]
+            else {
+                continue;
+            };
+            let entry = method::<A>(m).map_err(|_| missing(m))?;
+            if let Some(op) = entry.imp.build_fused(&mut b, node, args, edge)? {
+                fused.insert(at, op);
+            }
+        }
+        let starts: Vec<usize> = fused.keys().copied().collect();
+        // The method and the write of a fused operation, built with it.
+        let in_fused = |i: usize| starts.iter().any(|&at| i == at + 1 || i == at + 2);
+        for (i, op) in mine.ops.iter().enumerate() {
+            if fused.contains_key(&i) || in_fused(i) {
+                continue;
+            }
             match op {
                 OpSpec::Compute {
                     node,
@@ -194,7 +230,17 @@ impl<A: Actor> Host<A> {
             }
         }
         let mut ops = Vec::with_capacity(mine.ops.len());
-        for op in &mine.ops {
+        let mut is_compute = Vec::with_capacity(mine.ops.len());
+        for (i, op) in mine.ops.iter().enumerate() {
+            if in_fused(i) {
+                continue;
+            }
+            if let Some(op) = fused.remove(&i) {
+                ops.push(op);
+                is_compute.push(false);
+                continue;
+            }
+            is_compute.push(matches!(op, OpSpec::Compute { .. } | OpSpec::Split { .. }));
             let built = match op {
                 OpSpec::Read { edge } => b.reads.remove(edge),
                 OpSpec::Write { edge } => b.writes.remove(edge),
@@ -217,6 +263,8 @@ impl<A: Actor> Host<A> {
         let guard = b.comm.guard();
         Ok(Installed {
             ops,
+            computes: is_compute,
+            busy: b.busy,
             guard,
             holding: b.holding,
             between: b.between,
@@ -249,12 +297,17 @@ impl<A: Actor> ErasedHost for Host<A> {
         // Every event of the actor's methods (and of the loop) carries the actor and the graph:
         // one span for the whole run, entered once, so it costs nothing per execution.
         let _actor = tracing::info_span!("actor", actor = %self.name, graph = plan.graph).entered();
+        // Chosen once: without a timeline and with trace events off, the loop is the plain one.
+        let traced = tracing::enabled!(tracing::Level::TRACE);
+        let plain = recorder.timeline.is_none() && !traced;
         let Installed {
             mut ops,
+            computes,
+            busy,
             guard,
             holding,
             between: state,
-        } = match self.build(plan, chans, comms) {
+        } = match self.build(plan, chans, comms, plain) {
             Ok(built) => built,
             Err(e) => {
                 tracing::warn!(error = %e, "installing the schedule failed");
@@ -272,22 +325,18 @@ impl<A: Actor> ErasedHost for Host<A> {
             .find(|a| a.actor == self.id)
             .map_or(&[], |a| &a.ops);
         let names: Vec<(&'static str, String)> = specs.iter().map(|op| op_name(plan, op)).collect();
-        // Compute operations are the actor's busy time.
-        let computes: Vec<bool> = names.iter().map(|(kind, _)| *kind == "compute").collect();
         tracing::debug!(
             ops = ops.len(),
             timeline = recorder.timeline.is_some(),
             "running its schedule"
         );
-        // Chosen once: without a timeline and with trace events off, the loop is the plain one.
-        let traced = tracing::enabled!(tracing::Level::TRACE);
         let counters = &*recorder.counters;
         let has_calls = calls_here();
         // One-off calls run between two executions of the schedule, never inside one: before
         // its first operation, when the counter says some are queued (one load per
         // execution), or when the first operation, a read waiting for the next execution,
         // gives up its wait for them (`read_between`).
-        let why = if recorder.timeline.is_none() && !traced {
+        let why = if plain {
             // Busy time is timed on one execution in BUSY_SAMPLE (and scaled when read):
             // two clock reads on every method call would show in an echo's round trip.
             let mut exec = 0u64;
@@ -296,6 +345,7 @@ impl<A: Actor> ErasedHost for Host<A> {
                     serve_between(self, control, &holding);
                 }
                 let timed = exec.is_multiple_of(BUSY_SAMPLE);
+                busy.sample(timed);
                 for (i, (op, compute)) in ops.iter_mut().zip(&computes).enumerate() {
                     let actor = &mut self.actor;
                     let ran = between(&state, i == 0, || {
@@ -315,6 +365,7 @@ impl<A: Actor> ErasedHost for Host<A> {
                     }
                 }
                 if timed {
+                    bump(&counters.busy_ns, busy.take());
                     bump(&counters.timed_executions, 1);
                 }
                 bump(&counters.executions, 1);

@@ -8,15 +8,17 @@ use super::call::{Between, CallFailure};
 use super::channels::{ErasedReaderFn, GraphChannels, erased_reader};
 use super::comm_ops::{self, CommCtx, ScheduleWiring};
 use super::lend::{self, Lender};
+use super::observe::BusyClock;
 use super::op::Op;
 use crate::channel::slot::LocalSlot;
-use crate::channel::{ChanError, ChannelReader, ChannelWriter, Holding, Msg};
-use crate::compile::plan::{ArgSource, GraphPlan, Loc};
+use crate::channel::{ChanError, ChannelReader, ChannelWriter, FanOut, Holding, Msg, Reader};
+use crate::compile::plan::{ArgSource, GraphPlan, Loc, OpSpec};
 use crate::dag::MethodSig;
 use crate::error::{MethodError, TaskError};
 use crate::tensor::Tensor;
 use crate::value::{TypeTag, Value, decode, encode};
 use std::any::Any;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::rc::Rc;
@@ -59,6 +61,16 @@ pub(crate) trait ErasedMethod<A>: Send + Sync {
         source: u64,
         index: usize,
     ) -> Result<Op<A>, String>;
+    /// One operation that reads the method's argument `edge` from its channel, runs the
+    /// method and writes its result to its output channel, with no slot between the three
+    /// (see [`fusable`]); `None`, with nothing built, when the result has no channel.
+    fn build_fused(
+        &self,
+        b: &mut TaskBuilder<'_, A>,
+        node: u64,
+        args: &[ArgSource],
+        edge: u64,
+    ) -> Result<Option<Op<A>>, String>;
     /// Opens a driver's reader of the method's result, without the caller knowing its type
     /// (a by-name output).
     fn output_reader(&self) -> ErasedReaderFn;
@@ -167,6 +179,33 @@ pub(crate) fn panic_text(payload: Box<dyn Any + Send>) -> String {
 }
 
 impl<A: 'static, Args: ArgTuple, R: Value> Method<A, Args, R> {
+    /// The method's run inside a schedule, as the message its output carries: a failure or a
+    /// panic becomes an error naming the actor and the method, and the method draws on the
+    /// memory `node`'s output channel lends.
+    fn runner(
+        &self,
+        b: &TaskBuilder<'_, A>,
+        node: u64,
+    ) -> impl FnMut(&mut A, Args) -> Msg<R> + use<A, Args, R> {
+        let lender = b.lender(node);
+        let f = self.f;
+        let actor_name = b.actor_name.clone();
+        let method = self.name;
+        move |actor: &mut A, args: Args| match catch_unwind(AssertUnwindSafe(|| {
+            lend::lending(lender.as_ref(), || f(actor, args))
+        })) {
+            Ok(Ok(v)) => Msg::Value(v),
+            Ok(Err(cause)) => {
+                Msg::Error(Arc::new(TaskError::of_method(&actor_name, method, cause)))
+            }
+            Err(p) => Msg::Error(Arc::new(TaskError::of_method(
+                &actor_name,
+                method,
+                panic_failure(p),
+            ))),
+        }
+    }
+
     fn invoke(&self, actor: &mut A, args: Args) -> Result<R, CallFailure> {
         capture_backtraces();
         match catch_unwind(AssertUnwindSafe(|| (self.f)(actor, args))) {
@@ -224,32 +263,45 @@ impl<A: 'static, Args: ArgTuple, R: Value> ErasedMethod<A> for Method<A, Args, R
         args: &[ArgSource],
     ) -> Result<Op<A>, String> {
         capture_backtraces();
-        let readers = Args::build(b, args)?;
+        let mut readers = Args::build(b, args, None)?;
         let out = b.output::<R>(node, self.name)?;
-        let lender = b.lender(node);
-        let f = self.f;
-        let actor_name = b.actor_name.clone();
-        let method = self.name;
+        let mut run = self.runner(b, node);
         Ok(Box::new(move |actor: &mut A| {
-            let msg = match Args::read(&readers) {
+            let msg = match Args::read(&mut readers)? {
                 Err(upstream) => Msg::Error(upstream),
-                Ok(args) => match catch_unwind(AssertUnwindSafe(|| {
-                    lend::lending(lender.as_ref(), || f(actor, args))
-                })) {
-                    Ok(Ok(v)) => Msg::Value(v),
-                    Ok(Err(cause)) => {
-                        Msg::Error(Arc::new(TaskError::of_method(&actor_name, method, cause)))
-                    }
-                    Err(p) => Msg::Error(Arc::new(TaskError::of_method(
-                        &actor_name,
-                        method,
-                        panic_failure(p),
-                    ))),
-                },
+                Ok(args) => run(actor, args),
             };
             out.put(msg);
             Ok(())
         }))
+    }
+
+    fn build_fused(
+        &self,
+        b: &mut TaskBuilder<'_, A>,
+        node: u64,
+        args: &[ArgSource],
+        edge: u64,
+    ) -> Result<Option<Op<A>>, String> {
+        capture_backtraces();
+        let Some(send) = b.result_sender::<R>(node, self.name)? else {
+            return Ok(None);
+        };
+        let mut readers = Args::build(b, args, Some(edge))?;
+        let mut run = self.runner(b, node);
+        let busy = b.busy.clone();
+        Ok(Some(Box::new(move |actor: &mut A| {
+            let msg = match Args::read(&mut readers)? {
+                Err(upstream) => Msg::Error(upstream),
+                Ok(args) => {
+                    let start = busy.start();
+                    let msg = run(actor, args);
+                    busy.stop(start);
+                    msg
+                }
+            };
+            send.send(msg)
+        })))
     }
 
     fn build_split(
@@ -283,13 +335,18 @@ pub enum ArgReader<T> {
     Slot(Rc<LocalSlot<T>>),
     #[doc(hidden)]
     Const(T),
+    /// Straight from the edge's channel (a fused operation's argument).
+    #[doc(hidden)]
+    Channel(EdgeRead<T>),
 }
 
 impl<T: Clone> ArgReader<T> {
-    fn get(&self) -> Msg<T> {
+    #[inline]
+    fn get(&mut self) -> Result<Msg<T>, ChanError> {
         match self {
-            ArgReader::Slot(s) => s.take(),
-            ArgReader::Const(v) => Msg::Value(v.clone()),
+            ArgReader::Slot(s) => Ok(s.take()),
+            ArgReader::Const(v) => Ok(Msg::Value(v.clone())),
+            ArgReader::Channel(read) => read.next(),
         }
     }
 }
@@ -300,12 +357,20 @@ pub trait ArgTuple: Value {
     type Readers: 'static;
     #[doc(hidden)]
     fn tags() -> Vec<TypeTag>;
+    /// The readers of the arguments `args`; the one of edge `direct`, if any, reads its
+    /// channel itself (a fused operation), the others their slots.
     #[doc(hidden)]
     #[allow(private_interfaces)]
-    fn build<A>(b: &mut TaskBuilder<'_, A>, args: &[ArgSource]) -> Result<Self::Readers, String>;
+    fn build<A>(
+        b: &mut TaskBuilder<'_, A>,
+        args: &[ArgSource],
+        direct: Option<u64>,
+    ) -> Result<Self::Readers, String>;
+    /// The arguments, or the first upstream error among them; `Err` when a channel read
+    /// directly failed.
     #[doc(hidden)]
     #[allow(private_interfaces)]
-    fn read(readers: &Self::Readers) -> Result<Self, Arc<TaskError>>;
+    fn read(readers: &mut Self::Readers) -> Result<Result<Self, Arc<TaskError>>, ChanError>;
 }
 
 macro_rules! arg_tuple {
@@ -316,18 +381,22 @@ macro_rules! arg_tuple {
                 vec![$(TypeTag::of::<$t>()),*]
             }
             #[allow(private_interfaces)]
-            fn build<A>(b: &mut TaskBuilder<'_, A>, args: &[ArgSource]) -> Result<Self::Readers, String> {
+            fn build<A>(
+                b: &mut TaskBuilder<'_, A>,
+                args: &[ArgSource],
+                direct: Option<u64>,
+            ) -> Result<Self::Readers, String> {
                 if args.len() != $n {
                     return Err(format!("expected {} arguments, the plan has {}", $n, args.len()));
                 }
-                let _ = &b;
-                Ok(($(b.arg::<$t>(&args[$i])?,)*))
+                let _ = (&b, direct);
+                Ok(($(b.arg::<$t>(&args[$i], direct)?,)*))
             }
             #[allow(private_interfaces)]
-            fn read(readers: &Self::Readers) -> Result<Self, Arc<TaskError>> {
-                let _ = readers;
+            fn read(readers: &mut Self::Readers) -> Result<Result<Self, Arc<TaskError>>, ChanError> {
+                let _ = &readers;
                 // Take every argument, even after an error, so every slot stays in step.
-                let msgs = ($(readers.$i.get(),)*);
+                let msgs = ($(readers.$i.get()?,)*);
                 let _ = &msgs;
                 let mut first_error: Option<Arc<TaskError>> = None;
                 let _ = &mut first_error;
@@ -339,9 +408,9 @@ macro_rules! arg_tuple {
                     }
                 };)*
                 if let Some(e) = first_error {
-                    return Err(e);
+                    return Ok(Err(e));
                 }
-                Ok(($($t.expect("checked above"),)*))
+                Ok(Ok(($($t.expect("checked above"),)*)))
             }
         }
     };
@@ -428,6 +497,8 @@ pub(crate) struct TaskBuilder<'a, A> {
     pub(crate) holding: Arc<Holding>,
     /// Where the schedule's loop stands between two executions, for its reads.
     pub(crate) between: Rc<Between>,
+    /// The busy time of fused operations.
+    pub(crate) busy: Rc<BusyClock>,
 }
 
 impl<'a, A> TaskBuilder<'a, A> {
@@ -449,6 +520,7 @@ impl<'a, A> TaskBuilder<'a, A> {
             comm: Default::default(),
             holding: Arc::default(),
             between: Rc::default(),
+            busy: Rc::default(),
         }
     }
 
@@ -474,7 +546,11 @@ impl<'a, A> TaskBuilder<'a, A> {
         }
     }
 
-    fn arg<T: Value>(&mut self, src: &ArgSource) -> Result<ArgReader<T>, String> {
+    fn arg<T: Value>(
+        &mut self,
+        src: &ArgSource,
+        direct: Option<u64>,
+    ) -> Result<ArgReader<T>, String> {
         let edge = match src {
             ArgSource::Const(bytes) => {
                 return decode::<T>(bytes).map(ArgReader::Const).map_err(|e| {
@@ -486,6 +562,9 @@ impl<'a, A> TaskBuilder<'a, A> {
             }
             ArgSource::Edge(edge) => *edge,
         };
+        if direct == Some(edge) {
+            return self.edge_read::<T>(edge).map(ArgReader::Channel);
+        }
         let slot = self.read_slot::<T>(edge)?;
         slot.add_use();
         Ok(ArgReader::Slot(slot))
@@ -501,24 +580,64 @@ impl<'a, A> TaskBuilder<'a, A> {
         }
         let plan = self.plan.edge(edge)?;
         let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
-        let mut reader = self.chans.reader::<T>(self.plan, edge, self.me)?;
+        let mut read = self.edge_read::<T>(edge)?;
         let mut fill = slot.clone();
-        let holding = self.holding.clone();
-        let between = self.between.clone();
         self.reads.insert(
             edge,
-            Box::new(move |_: &mut A| {
-                if !reader.next_is_here() {
-                    // This read may wait: nothing stays held while it does.
-                    holding.release()?;
-                }
-                let msg = super::call::read_between(&between, &mut reader)?;
-                holding.note_read(reader.next_is_here());
-                fill.write(msg, None)
-            }),
+            Box::new(move |_: &mut A| fill.write(read.next()?, None)),
         );
         self.slots.insert(edge, slot.clone());
         Ok(slot)
+    }
+
+    /// The reading end of an upstream edge's channel, read as the schedule reads.
+    pub(crate) fn edge_read<T: Value>(&mut self, edge: u64) -> Result<EdgeRead<T>, String> {
+        Ok(EdgeRead {
+            reader: self.chans.reader::<T>(self.plan, edge, self.me)?,
+            holding: self.holding.clone(),
+            between: self.between.clone(),
+        })
+    }
+
+    /// What sends a method's result on `edge`'s channel, with the lender of that channel's
+    /// memory registered for the method; `None` when the edge has no channel (its value stays
+    /// in the actor) or goes to a communicator.
+    pub(crate) fn result_sender<T: Value>(
+        &mut self,
+        edge: u64,
+        method: &'static str,
+    ) -> Result<Option<ResultSender<T>>, String> {
+        if comm_ops::is_send(&self.comm, edge) {
+            return Ok(None);
+        }
+        let plan = self.plan.edge(edge)?;
+        if !plan.has_channel() {
+            return Ok(None);
+        }
+        let label = plan.label.clone();
+        // Shared by the sender and the lender of the method's run: they never overlap (the
+        // send comes after the method returns, on the same thread).
+        let mut writer = self.chans.writer::<T>(self.plan, edge, self.me)?;
+        writer.hold_in(&self.holding);
+        let writer = Rc::new(RefCell::new(writer));
+        let lend_from = writer.clone();
+        self.lenders.insert(
+            edge,
+            Rc::new(move |len| lend_from.borrow_mut().loan(len)) as Lender,
+        );
+        Ok(Some(ResultSender {
+            writer,
+            actor: self.actor_name.clone(),
+            method,
+            label,
+        }))
+    }
+
+    /// See [`fusable`].
+    pub(crate) fn fusable(&self, specs: &[OpSpec], at: usize) -> Option<(u64, u64)> {
+        fusable(specs, at, |edge| {
+            comm_ops::is_recv(&self.comm, edge) || comm_ops::is_send(&self.comm, edge)
+        })
     }
 
     /// The slot a compute operation writes, with the write operation that sends it on.
@@ -532,50 +651,11 @@ impl<'a, A> TaskBuilder<'a, A> {
         }
         let plan = self.plan.edge(edge)?;
         let slot = Rc::new(LocalSlot::<T>::new(plan.label.clone()));
-        if plan.has_channel() {
-            // Shared by the write below and the lender of the method's run: they never
-            // overlap (the write comes after the method returns, on the same thread).
-            let mut writer = self.chans.writer::<T>(self.plan, edge, self.me)?;
-            writer.hold_in(&self.holding);
-            let writer = Rc::new(std::cell::RefCell::new(writer));
-            let lend_from = writer.clone();
-            self.lenders.insert(
-                edge,
-                Rc::new(move |len| lend_from.borrow_mut().loan(len)) as Lender,
-            );
+        if let Some(send) = self.result_sender::<T>(edge, method)? {
             slot.add_use();
             let mut take = slot.clone();
-            let actor = self.actor_name.clone();
-            let label = plan.label.clone();
-            self.writes.insert(
-                edge,
-                Box::new(move |_: &mut A| {
-                    let msg = take.read(None)?;
-                    let mut writer = writer.borrow_mut();
-                    match writer.write(msg, None) {
-                        // The value cannot travel; its readers get an error instead.
-                        Err(ChanError::TooLarge { size, limit }) => writer.write(
-                            Msg::Error(Arc::new(TaskError::new(
-                                actor.clone(),
-                                method.to_string(),
-                                format!(
-                                    "the output of {label} is {size} bytes, over the ceiling of {limit} bytes; raise CompileOptions::max_message_bytes"
-                                ),
-                            ))),
-                            None,
-                        ),
-                        Err(ChanError::Codec(reason)) => writer.write(
-                            Msg::Error(Arc::new(TaskError::new(
-                                actor.clone(),
-                                method.to_string(),
-                                format!("the output of {label} cannot be sent: {reason}"),
-                            ))),
-                            None,
-                        ),
-                        other => other,
-                    }
-                }),
-            );
+            self.writes
+                .insert(edge, Box::new(move |_: &mut A| send.send(take.read(None)?)));
         }
         self.slots.insert(edge, slot.clone());
         Ok(slot)
@@ -633,6 +713,168 @@ impl<A> ScheduleWiring<A> for TaskBuilder<'_, A> {
     }
 }
 
+/// Whether the operations `specs[at..at + 3]` of an actor's schedule can run as one fused
+/// operation: a read of an edge, a method whose only node argument is that edge (the others
+/// constants, as every Python method's call), and the write of its result, with neither value used by anything else of the actor (so neither needs a
+/// slot) nor carried by a communicator (`by_comm`). Returns the method's node and the edge
+/// read.
+fn fusable(specs: &[OpSpec], at: usize, by_comm: impl Fn(u64) -> bool) -> Option<(u64, u64)> {
+    let [
+        OpSpec::Read { edge },
+        OpSpec::Compute { node, args, .. },
+        OpSpec::Write { edge: written },
+    ] = specs.get(at..at + 3)?
+    else {
+        return None;
+    };
+    let only_use = |value: u64, user: usize| {
+        specs
+            .iter()
+            .enumerate()
+            .all(|(i, op)| i == user || !op.consumes(value))
+    };
+    let mut edges = args.iter().filter(|a| matches!(a, ArgSource::Edge(_)));
+    let one_edge =
+        matches!(edges.next(), Some(ArgSource::Edge(arg)) if arg == edge) && edges.next().is_none();
+    (one_edge
+        && written == node
+        && !by_comm(*edge)
+        && !by_comm(*node)
+        && only_use(*edge, at + 1)
+        && only_use(*node, at + 2))
+    .then_some((*node, *edge))
+}
+
+/// A schedule's read of one upstream edge, straight from its channel.
+#[doc(hidden)]
+pub struct EdgeRead<T> {
+    reader: Reader<T>,
+    holding: Arc<Holding>,
+    between: Rc<Between>,
+}
+
+impl<T> EdgeRead<T> {
+    #[inline]
+    fn next(&mut self) -> Result<Msg<T>, ChanError> {
+        if !self.reader.next_is_here() {
+            // This read may wait: nothing stays held while it does.
+            self.holding.release()?;
+        }
+        let msg = super::call::read_between(&self.between, &mut self.reader)?;
+        self.holding.note_read(self.reader.next_is_here());
+        Ok(msg)
+    }
+}
+
+/// A method's result on its way into its output channel.
+pub(crate) struct ResultSender<T> {
+    writer: Rc<RefCell<FanOut<T>>>,
+    actor: String,
+    method: &'static str,
+    label: String,
+}
+
+impl<T: Value> ResultSender<T> {
+    #[inline]
+    fn send(&self, msg: Msg<T>) -> Result<(), ChanError> {
+        let mut writer = self.writer.borrow_mut();
+        match writer.write(msg, None) {
+            // The value cannot travel; its readers get an error instead.
+            Err(ChanError::TooLarge { size, limit }) => writer.write(
+                self.failure(format!(
+                    "the output of {} is {size} bytes, over the ceiling of {limit} bytes; raise CompileOptions::max_message_bytes",
+                    self.label
+                )),
+                None,
+            ),
+            Err(ChanError::Codec(reason)) => writer.write(
+                self.failure(format!("the output of {} cannot be sent: {reason}", self.label)),
+                None,
+            ),
+            other => other,
+        }
+    }
+
+    fn failure(&self, message: String) -> Msg<T> {
+        Msg::Error(Arc::new(TaskError::new(
+            self.actor.clone(),
+            self.method.to_string(),
+            message,
+        )))
+    }
+}
+
 pub(crate) fn find<'m, A>(methods: &'m [MethodEntry<A>], name: &str) -> Option<&'m MethodEntry<A>> {
     methods.iter().find(|m| m.name == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(edge: u64) -> OpSpec {
+        OpSpec::Read { edge }
+    }
+    fn write(edge: u64) -> OpSpec {
+        OpSpec::Write { edge }
+    }
+    fn compute(node: u64, args: Vec<ArgSource>) -> OpSpec {
+        OpSpec::Compute {
+            node,
+            method: "m".into(),
+            args,
+            label: None,
+        }
+    }
+
+    #[test]
+    fn a_read_a_one_argument_method_and_its_write_fuse_only_when_nothing_else_uses_them() {
+        let none = |_| false;
+        let chain = [read(1), compute(2, vec![ArgSource::Edge(1)]), write(2)];
+        assert_eq!(fusable(&chain, 0, none), Some((2, 1)));
+        // Not at the start of the pattern, or past the end.
+        assert_eq!(fusable(&chain, 1, none), None);
+        assert_eq!(fusable(&chain, 3, none), None);
+        // Constant arguments beside it fuse; a second node argument does not.
+        let with_const = [
+            read(1),
+            compute(2, vec![ArgSource::Const(vec![0]), ArgSource::Edge(1)]),
+            write(2),
+        ];
+        assert_eq!(fusable(&with_const, 0, none), Some((2, 1)));
+        let twice = [
+            read(1),
+            compute(2, vec![ArgSource::Edge(1), ArgSource::Edge(1)]),
+            write(2),
+        ];
+        assert_eq!(fusable(&twice, 0, none), None);
+        let two = [
+            read(1),
+            compute(2, vec![ArgSource::Edge(1), ArgSource::Edge(3)]),
+            write(2),
+        ];
+        assert_eq!(fusable(&two, 0, none), None);
+        // The method takes another edge than the one read.
+        let other = [read(1), compute(2, vec![ArgSource::Edge(3)]), write(2)];
+        assert_eq!(fusable(&other, 0, none), None);
+        // The write is of another value.
+        let elsewhere = [read(1), compute(2, vec![ArgSource::Edge(1)]), write(4)];
+        assert_eq!(fusable(&elsewhere, 0, none), None);
+        // The input is used again by a later method of the actor: it needs its slot.
+        let mut reused = chain.to_vec();
+        reused.push(compute(5, vec![ArgSource::Edge(1)]));
+        assert_eq!(fusable(&reused, 0, none), None);
+        // So is the result (a later method of the same actor reads it).
+        let mut kept = chain.to_vec();
+        kept.push(compute(5, vec![ArgSource::Edge(2)]));
+        assert_eq!(fusable(&kept, 0, none), None);
+        // A value carried by a communicator.
+        assert_eq!(fusable(&chain, 0, |e| e == 1), None);
+        assert_eq!(fusable(&chain, 0, |e| e == 2), None);
+        // Two chains in one schedule fuse each.
+        let mut both = chain.to_vec();
+        both.extend([read(6), compute(7, vec![ArgSource::Edge(6)]), write(7)]);
+        assert_eq!(fusable(&both, 0, none), Some((2, 1)));
+        assert_eq!(fusable(&both, 3, none), Some((7, 6)));
+    }
 }

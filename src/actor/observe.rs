@@ -6,10 +6,45 @@ use crate::channel::EndCounters;
 pub(crate) use crate::channel::bump;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
+use std::cell::Cell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 pub(crate) use crate::clock::mono_ns;
+
+/// The busy time of fused operations (a read, a method and a write run as one operation,
+/// see `TaskBuilder::fused`): the loop cannot time their method from outside, so on the
+/// executions the loop samples they time it themselves and the loop adds it up.
+#[derive(Debug, Default)]
+pub(crate) struct BusyClock {
+    sampled: Cell<bool>,
+    ns: Cell<u64>,
+}
+
+impl BusyClock {
+    /// Whether the coming execution is timed.
+    pub(crate) fn sample(&self, on: bool) {
+        self.sampled.set(on);
+    }
+
+    /// The start of a method's run, on a timed execution.
+    #[inline]
+    pub(crate) fn start(&self) -> Option<u64> {
+        self.sampled.get().then(mono_ns)
+    }
+
+    #[inline]
+    pub(crate) fn stop(&self, start: Option<u64>) {
+        if let Some(start) = start {
+            self.ns.set(self.ns.get() + (mono_ns() - start));
+        }
+    }
+
+    /// The time counted since the last call.
+    pub(crate) fn take(&self) -> u64 {
+        self.ns.take()
+    }
+}
 
 /// Records per actor a timeline keeps (4 words each: 8 MiB per actor); later operations are
 /// counted as dropped, never recorded by allocating.

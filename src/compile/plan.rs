@@ -183,6 +183,20 @@ pub(crate) enum Stage {
 }
 
 impl OpSpec {
+    /// Whether this operation uses the value of edge `edge` in this actor's slot.
+    pub(crate) fn consumes(&self, edge: u64) -> bool {
+        match self {
+            OpSpec::Compute { args, .. } => args
+                .iter()
+                .any(|a| matches!(a, ArgSource::Edge(e) if *e == edge)),
+            OpSpec::Split { source, .. } => *source == edge,
+            OpSpec::Write { edge: e } => *e == edge,
+            OpSpec::Send { edge: e, stage, .. } => *e == edge && *stage != Stage::Wait,
+            OpSpec::Collective { input, stage, .. } => *input == edge && *stage != Stage::Wait,
+            OpSpec::Read { .. } | OpSpec::Recv { .. } => false,
+        }
+    }
+
     /// The stage of a communicator operation, `None` for the others.
     pub(crate) fn comm_stage(&self) -> Option<Stage> {
         match self {

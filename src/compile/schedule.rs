@@ -32,7 +32,7 @@
 //! its operation is done. If the simulation stops before every thread finished, the graph
 //! would deadlock: the error follows the wait-for relation from a blocked thread until it
 //! closes a cycle and names each actor and the operation it is blocked at.
-use super::plan::{ActorPlan, ArgSource, GraphPlan, Loc, OpSpec, Stage};
+use super::plan::{ActorPlan, GraphPlan, Loc, OpSpec, Stage};
 use crate::comm::SendCompletion;
 use crate::error::{Error, Result};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -69,20 +69,6 @@ fn with_stage(op: &OpSpec, to: Stage) -> OpSpec {
         _ => {}
     }
     op
-}
-
-/// Whether `op` uses the value of edge `edge` in this actor's slot.
-fn consumes(op: &OpSpec, edge: u64) -> bool {
-    match op {
-        OpSpec::Compute { args, .. } => args
-            .iter()
-            .any(|a| matches!(a, ArgSource::Edge(e) if *e == edge)),
-        OpSpec::Split { source, .. } => *source == edge,
-        OpSpec::Write { edge: e } => *e == edge,
-        OpSpec::Send { edge: e, stage, .. } => *e == edge && *stage != Stage::Wait,
-        OpSpec::Collective { input, stage, .. } => *input == edge && *stage != Stage::Wait,
-        OpSpec::Read { .. } | OpSpec::Recv { .. } => false,
-    }
 }
 
 /// The overlapped form of one actor's schedule (see the module doc).
@@ -155,7 +141,7 @@ pub(crate) fn overlapped(ops: Vec<OpSpec>) -> Vec<OpSpec> {
         let wait = out.remove(at);
         let first_use = out[at..]
             .iter()
-            .position(|o| consumes(o, node))
+            .position(|o| o.consumes(node))
             .map_or(out.len(), |p| at + p);
         out.insert(first_use, wait);
     }
@@ -728,7 +714,7 @@ pub(crate) fn check_deadlock(plan: &GraphPlan) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::compile::plan::{ActorPlan, ChannelKind, ChannelPlan, EdgePlan};
+    use crate::compile::plan::{ActorPlan, ArgSource, ChannelKind, ChannelPlan, EdgePlan};
 
     fn edge(id: u64, writer: u64, readers: &[u64]) -> (u64, EdgePlan) {
         (
