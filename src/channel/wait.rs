@@ -80,6 +80,21 @@ const YIELD_EVERY: u32 = 4;
 /// Every this many waits, spin first even if the last waits ended only after a yield.
 const PROBE_EVERY: u32 = 16;
 
+/// After this long with every wait ending only after a yield, one yield becomes a short sleep
+/// ([`UNSTICK_SLEEP`]). Two ends of a ping-pong that the kernel put on one CPU (a futex
+/// wake-up places the woken thread beside its waker) hand the CPU to each other by
+/// `sched_yield` for ever: neither leaves the run queue, both look cache-hot, so the load
+/// balancer never moves one to the idle CPU. Measured here: an echo stuck so took ~1.9 µs a
+/// round trip instead of ~0.45, in a quarter of the runs, with one context switch per yield.
+/// Waking from a timer, the sleeper is placed afresh, on an idle CPU if there is one. It sleeps
+/// only when the kernel counts no more runnable threads than CPUs ([`a_cpu_may_be_idle`]):
+/// where the actors truly outnumber the CPUs, yielding is right, and a sleep there cost the
+/// oversubscribed rows (`chain3/*`) 2-6% in a trial.
+const UNSTICK_AFTER: Duration = Duration::from_millis(2);
+
+/// The sleep of [`UNSTICK_AFTER`].
+const UNSTICK_SLEEP: Duration = Duration::from_micros(50);
+
 /// A deadline that has always passed: a wait given it polls once and returns (a try),
 /// recognised without reading the clock.
 pub(crate) fn passed() -> Instant {
@@ -95,6 +110,9 @@ pub(crate) struct SpinPolicy {
     /// after a yield.
     pure_steps: u32,
     waits: u32,
+    /// Since when every wait ended only after a yield (`None` while waits end in the pure
+    /// spin, and again after an unsticking sleep).
+    yielding_since: Option<Instant>,
 }
 
 impl SpinPolicy {
@@ -104,6 +122,7 @@ impl SpinPolicy {
             budget,
             pure_steps: PURE_STEPS,
             waits: 0,
+            yielding_since: None,
         }
     }
 
@@ -116,17 +135,38 @@ impl SpinPolicy {
         } else {
             self.pure_steps
         };
+        let mut unstick = false;
+        if let Some(since) = self.yielding_since {
+            let now = Instant::now();
+            if now.duration_since(since) >= UNSTICK_AFTER {
+                // Looked at once per interval, whatever it says.
+                self.yielding_since = Some(now);
+                unstick = a_cpu_may_be_idle();
+            }
+        }
         Backoff {
             step: 0,
             pure_steps,
             budget: self.budget,
             since: None,
+            unstick,
+            slept: false,
         }
     }
 
     /// Remembers how a wait that did not sleep ended.
     fn learn(&mut self, backoff: &Backoff) {
-        self.pure_steps = if backoff.yielded() { 0 } else { PURE_STEPS };
+        if backoff.yielded() {
+            self.pure_steps = 0;
+            if backoff.slept {
+                self.yielding_since = None;
+            } else if self.yielding_since.is_none() {
+                self.yielding_since = Some(Instant::now());
+            }
+        } else {
+            self.pure_steps = PURE_STEPS;
+            self.yielding_since = None;
+        }
     }
 
     /// Phases 1 and 2 of one wait for a condition that has no wait cell (a socket): polls
@@ -147,6 +187,40 @@ impl SpinPolicy {
             }
         }
     }
+}
+
+/// Whether the kernel counts no more runnable threads than this process may use CPUs (the
+/// fourth field of `/proc/loadavg`, `running/total`; it counts the caller): a thread that
+/// shares its CPU with its peer may then find another one idle. `false` when that cannot be
+/// read (the waits keep yielding, as they did before).
+#[cfg(not(loom))]
+fn a_cpu_may_be_idle() -> bool {
+    use std::os::unix::fs::FileExt;
+    // Opened once: a read at offset 0 of a proc file makes it afresh (a few µs, no open).
+    static LOADAVG: std::sync::OnceLock<Option<(std::fs::File, usize)>> =
+        std::sync::OnceLock::new();
+    let Some((file, cpus)) = LOADAVG.get_or_init(|| {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        std::fs::File::open("/proc/loadavg").ok().map(|f| (f, cpus))
+    }) else {
+        return false;
+    };
+    let mut buf = [0u8; 128];
+    let Ok(len) = file.read_at(&mut buf, 0) else {
+        return false;
+    };
+    std::str::from_utf8(&buf[..len])
+        .unwrap_or_default()
+        .split_whitespace()
+        .nth(3)
+        .and_then(|field| field.split_once('/'))
+        .and_then(|(running, _)| running.parse::<usize>().ok())
+        .is_some_and(|running| running <= *cpus)
+}
+
+#[cfg(loom)]
+fn a_cpu_may_be_idle() -> bool {
+    false
 }
 
 /// One step of a [`Backoff`].
@@ -170,6 +244,10 @@ struct Backoff {
     /// When phase 2 began; the budget is counted from there, so that the pure spins of the
     /// fast path never read the clock.
     since: Option<Instant>,
+    /// The next yield is a sleep of [`UNSTICK_SLEEP`] (see [`UNSTICK_AFTER`]).
+    unstick: bool,
+    /// This wait slept so.
+    slept: bool,
 }
 
 impl Backoff {
@@ -191,6 +269,11 @@ impl Backoff {
         if now.duration_since(since) >= self.budget {
             return Step::Spent(now);
         }
+        if std::mem::take(&mut self.unstick) {
+            thread::sleep(UNSTICK_SLEEP);
+            self.slept = true;
+            return Step::Yielded(now);
+        }
         // With more runnable actors than cores the peer may be waiting for this CPU:
         // `sched_yield` hands it over in ~1 µs.
         thread::yield_now();
@@ -201,7 +284,13 @@ impl Backoff {
     /// after either), then sleep.
     #[cfg(loom)]
     fn snooze(&mut self) -> Step {
-        let _ = (self.pure_steps, self.budget, self.since);
+        let _ = (
+            self.pure_steps,
+            self.budget,
+            self.since,
+            self.unstick,
+            self.slept,
+        );
         self.step += 1;
         match self.step {
             1 => {
@@ -472,6 +561,48 @@ mod tests {
             polls = 0;
             cell.wait(&mut policy, None, || ready_after(&mut polls, 2));
             assert_eq!(policy.pure_steps, PURE_STEPS);
+        });
+    }
+
+    /// A run of waits that all end after a yield looks, once per [`UNSTICK_AFTER`], whether a
+    /// CPU may be idle; a wait whose yield became a sleep, or one answered while spinning,
+    /// ends the run.
+    #[test]
+    fn a_long_run_of_yields_sleeps_once_to_be_placed_afresh() {
+        with_watchdog(WATCHDOG, || {
+            let cell = WaitCell::default();
+            let mut policy = SpinPolicy::new(DEFAULT_SPIN);
+            let mut polls = 0;
+            let mut ready_after = |n: u32| {
+                polls = 0;
+                move || {
+                    polls += 1;
+                    (polls > n).then_some(())
+                }
+            };
+            cell.wait(&mut policy, None, ready_after(PURE_STEPS + 1));
+            let began = policy.yielding_since.expect("a run of yields began");
+            // Within the interval nothing is looked at.
+            assert!(!policy.backoff().unstick);
+            assert_eq!(policy.yielding_since, Some(began));
+            // Past it, the next wait looks (what it finds is the kernel's) and the interval
+            // starts again.
+            policy.yielding_since = Some(began - UNSTICK_AFTER);
+            let _ = policy.backoff();
+            assert!(policy.yielding_since.unwrap() >= began);
+            // A wait whose yield is a sleep ends the run.
+            let mut backoff = policy.backoff();
+            backoff.unstick = true;
+            while !backoff.slept {
+                backoff.snooze();
+            }
+            policy.learn(&backoff);
+            assert_eq!(policy.yielding_since, None);
+            // So does a wait answered while spinning (one that spins first, as a probe does).
+            policy.yielding_since = Some(began);
+            policy.pure_steps = PURE_STEPS;
+            cell.wait(&mut policy, None, ready_after(2));
+            assert_eq!(policy.yielding_since, None);
         });
     }
 
