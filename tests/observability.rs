@@ -5,7 +5,10 @@
 //! The log tests run a child process of this test binary as the driver (one test function,
 //! `scenario`, that does nothing unless `ADAG_OBS_SCENARIO` names a scenario), so that they
 //! can read what that driver writes to its stdout and stderr.
-use adag::{CompileOptions, Dag, OpKind, Placement, Runtime, TimelineEvent};
+use adag::{
+    ActorHandle, CompileOptions, CompiledGraph, Dag, Node, OpKind, Placement, Runtime,
+    TimelineEvent,
+};
 use std::collections::HashMap;
 use std::io::Read;
 use std::process::{Command, Stdio};
@@ -501,18 +504,25 @@ fn without_the_option_there_is_no_timeline() {
     });
 }
 
+/// `input → P.step → T.step`: a process actor "P", then a thread actor "T" (each adds 1);
+/// returns the graph and P.
+fn two_steps(rt: &Runtime) -> (CompiledGraph<u64, Node<u64>>, ActorHandle<Chatty>) {
+    let a = rt
+        .spawn_named::<Chatty>(Placement::Process, "P", 1)
+        .unwrap();
+    let b = rt.spawn_named::<Chatty>(Placement::Thread, "T", 1).unwrap();
+    let dag = Dag::<u64>::new();
+    let graph = dag
+        .compile(b.step(a.step(dag.input())), CompileOptions::default())
+        .unwrap();
+    (graph, a)
+}
+
 #[test]
 fn statistics_count_what_ran() {
     guarded(|| {
         let rt = Runtime::new().unwrap();
-        let a = rt
-            .spawn_named::<Chatty>(Placement::Process, "P", 1)
-            .unwrap();
-        let b = rt.spawn_named::<Chatty>(Placement::Thread, "T", 1).unwrap();
-        let dag = Dag::<u64>::new();
-        let graph = dag
-            .compile(b.step(a.step(dag.input())), CompileOptions::default())
-            .unwrap();
+        let (graph, a) = two_steps(&rt);
         let n = 30;
         for i in 0..n {
             graph.execute(i).unwrap().get().unwrap();
@@ -557,14 +567,7 @@ fn statistics_count_what_ran() {
 fn busy_time_counts_the_methods_not_the_waits_for_input() {
     guarded(|| {
         let rt = Runtime::new().unwrap();
-        let a = rt
-            .spawn_named::<Chatty>(Placement::Process, "P", 1)
-            .unwrap();
-        let b = rt.spawn_named::<Chatty>(Placement::Thread, "T", 1).unwrap();
-        let dag = Dag::<u64>::new();
-        let graph = dag
-            .compile(b.step(a.step(dag.input())), CompileOptions::default())
-            .unwrap();
+        let (graph, _) = two_steps(&rt);
         // Each actor waits ~300 ms for every input and runs its method for ~200 µs; only
         // the first execution is timed and the estimate scales it by three. Counting the
         // waits would give ~900 ms.
