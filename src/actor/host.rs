@@ -124,8 +124,8 @@ fn serve_between(host: &mut dyn ErasedHost, control: &Receiver<Control>, holding
 /// its network writers hold back.
 struct Installed<A> {
     ops: Vec<Op<A>>,
-    /// Per operation: whether the loop times it as the actor's busy time (a method's compute;
-    /// a fused operation times its method itself, in `busy`).
+    /// Per operation: whether the loop times it, on `busy`, as the actor's busy time (a
+    /// method's compute; a fused operation times its method itself).
     computes: Vec<bool>,
     busy: Rc<BusyClock>,
     guard: CommGuard,
@@ -145,11 +145,11 @@ fn method<A: Actor>(name: &str) -> Result<&'static MethodEntry<A>, CallFailure> 
 
 impl<A: Actor> Host<A> {
     /// Builds this actor's schedule of `plan`. With `fuse`, a read, the method that takes it
-    /// as its one node argument and the write of the method's result run as one operation where nothing
-    /// else of the actor uses the two values: no slots between them, one dynamic call
-    /// instead of three (an echo's round trip is a few hundred cycles; these were ~50). The
-    /// operations then no longer match the plan's one for one, so a timeline or trace,
-    /// which name the plan's operations, builds without.
+    /// as its one node argument and the write of the method's result run as one operation
+    /// where nothing else of the actor uses the two values: no slots between them, one
+    /// dynamic call instead of three (an echo's round trip is a few hundred cycles; these
+    /// were ~50). The operations then no longer match the plan's one for one, so a timeline
+    /// or trace, which name the plan's operations, builds without.
     fn build(
         &self,
         plan: &GraphPlan,
@@ -172,8 +172,10 @@ impl<A: Actor> Host<A> {
         b.comm = CommCtx::new(comms.clone(), &mine.ops);
         let mut computes: HashMap<u64, Op<A>> = HashMap::new();
         let missing = |m: &str| format!("actor {} has no method {m}", self.name);
-        // Fused operations, by the index of their read in the plan's schedule.
-        let mut fused: HashMap<usize, Op<A>> = HashMap::new();
+        // Fused operations, at the index of their read in the plan's schedule; the method and
+        // the write they take in are `covered`.
+        let mut fused: Vec<Option<Op<A>>> = mine.ops.iter().map(|_| None).collect();
+        let mut covered = vec![false; mine.ops.len()];
         for at in 0..mine.ops.len() {
             let Some((node, edge)) = fuse.then(|| b.fusable(&mine.ops, at)).flatten() else {
                 continue;
@@ -186,14 +188,13 @@ impl<A: Actor> Host<A> {
             };
             let entry = method::<A>(m).map_err(|_| missing(m))?;
             if let Some(op) = entry.imp.build_fused(&mut b, node, args, edge)? {
-                fused.insert(at, op);
+                fused[at] = Some(op);
+                covered[at + 1] = true;
+                covered[at + 2] = true;
             }
         }
-        let starts: Vec<usize> = fused.keys().copied().collect();
-        // The method and the write of a fused operation, built with it.
-        let in_fused = |i: usize| starts.iter().any(|&at| i == at + 1 || i == at + 2);
         for (i, op) in mine.ops.iter().enumerate() {
-            if fused.contains_key(&i) || in_fused(i) {
+            if fused[i].is_some() || covered[i] {
                 continue;
             }
             match op {
@@ -232,10 +233,10 @@ impl<A: Actor> Host<A> {
         let mut ops = Vec::with_capacity(mine.ops.len());
         let mut is_compute = Vec::with_capacity(mine.ops.len());
         for (i, op) in mine.ops.iter().enumerate() {
-            if in_fused(i) {
+            if covered[i] {
                 continue;
             }
-            if let Some(op) = fused.remove(&i) {
+            if let Some(op) = fused[i].take() {
                 ops.push(op);
                 is_compute.push(false);
                 continue;
@@ -349,10 +350,10 @@ impl<A: Actor> ErasedHost for Host<A> {
                 for (i, (op, compute)) in ops.iter_mut().zip(&computes).enumerate() {
                     let actor = &mut self.actor;
                     let ran = between(&state, i == 0, || {
-                        if timed && *compute {
-                            let start = mono_ns();
+                        if *compute {
+                            let start = busy.start();
                             let r = op(actor);
-                            bump(&counters.busy_ns, mono_ns() - start);
+                            busy.stop(start);
                             r
                         } else {
                             op(actor)
@@ -408,6 +409,8 @@ impl<A: Actor> ErasedHost for Host<A> {
                 exec += 1;
             }
         };
+        // What the last, unfinished execution timed.
+        bump(&counters.busy_ns, busy.take());
         tracing::debug!(reason = %why, executions = counters.executions.load(std::sync::atomic::Ordering::Relaxed), "schedule stopped");
         // Frames still held go out (a stop by error leaves the others' channels working).
         let _ = holding.release();

@@ -497,7 +497,7 @@ pub(crate) struct TaskBuilder<'a, A> {
     pub(crate) holding: Arc<Holding>,
     /// Where the schedule's loop stands between two executions, for its reads.
     pub(crate) between: Rc<Between>,
-    /// The busy time of fused operations.
+    /// The busy time of the methods, shared with the schedule's loop.
     pub(crate) busy: Rc<BusyClock>,
 }
 
@@ -715,9 +715,9 @@ impl<A> ScheduleWiring<A> for TaskBuilder<'_, A> {
 
 /// Whether the operations `specs[at..at + 3]` of an actor's schedule can run as one fused
 /// operation: a read of an edge, a method whose only node argument is that edge (the others
-/// constants, as every Python method's call), and the write of its result, with neither value used by anything else of the actor (so neither needs a
-/// slot) nor carried by a communicator (`by_comm`). Returns the method's node and the edge
-/// read.
+/// constants, as every Python method's call), and the write of its result, with neither
+/// value used by anything else of the actor (so neither needs a slot) nor carried by a
+/// communicator (`by_comm`). Returns the method's node and the edge read.
 fn fusable(specs: &[OpSpec], at: usize, by_comm: impl Fn(u64) -> bool) -> Option<(u64, u64)> {
     let [
         OpSpec::Read { edge },

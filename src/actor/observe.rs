@@ -12,9 +12,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 pub(crate) use crate::clock::mono_ns;
 
-/// The busy time of fused operations (a read, a method and a write run as one operation,
-/// see `TaskBuilder::fused`): the loop cannot time their method from outside, so on the
-/// executions the loop samples they time it themselves and the loop adds it up.
+/// The busy time of an actor's methods on the executions its plain loop samples (one in
+/// [`BUSY_SAMPLE`]): the loop times its compute operations on it, and a fused operation (a
+/// read, a method and a write as one, see `method::fusable`) times its method on it itself;
+/// the loop adds it up once per sampled execution.
 #[derive(Debug, Default)]
 pub(crate) struct BusyClock {
     sampled: Cell<bool>,
