@@ -8,7 +8,7 @@
 //! machine whose clock differs, which is how the tests check that offsets are estimated and
 //! applied. Leave it unset otherwise.
 //!
-//! [`coarse_now`] is the other clock here: a cheap, never-early `Instant` for deadlines.
+//! [`coarse_deadline`] is the other clock here: cheap, never-early deadlines.
 use std::sync::OnceLock;
 
 /// Shifts this process's clock (testing: see the module's documentation).
@@ -32,57 +32,61 @@ pub(crate) fn mono_ns() -> u64 {
     raw.saturating_add_signed(skew())
 }
 
-/// An `Instant` no earlier than now and less than two ticks of the kernel's coarse clock later
-/// (a few ms), read from `CLOCK_MONOTONIC_COARSE`: ~4 ns here where `Instant::now` costs
-/// ~18 ns, which is a tenth of the driver's part of a small round trip. For deadlines seconds
-/// away, where a few ms late do not matter ([`deadline_after`](crate::compile::deadline_after)).
-pub(crate) fn coarse_now() -> std::time::Instant {
+/// `d` from now by the kernel's coarse clock (`CLOCK_MONOTONIC_COARSE`): never earlier than
+/// `Instant::now() + d`, and less than two ticks of that clock (a few ms) later; `None` on
+/// overflow. For deadlines seconds away, where a few ms late do not matter
+/// ([`deadline_after`](crate::compile::deadline_after)): the coarse clock costs ~4 ns here
+/// where `Instant::now` costs ~25, and the sum is one `Instant` addition of nanoseconds (the
+/// same sum in `Duration`s and `Instant`s took 14 ns, 7 this way: a round trip of the driver
+/// computes one).
+pub(crate) fn coarse_deadline(d: std::time::Duration) -> Option<std::time::Instant> {
     use rustix::time::{ClockId, clock_getres, clock_gettime};
     use std::time::{Duration, Instant};
-    let coarse = || duration(clock_gettime(ClockId::MonotonicCoarse));
+    let ns = |t: rustix::time::Timespec| t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64;
     // The coarse clock reads the monotonic time of the last tick: at most one resolution
-    // behind. `origin` is read after `coarse_origin`, so `origin + (coarse() - coarse_origin)`
-    // lags now by less than a resolution and leads it by less than one; adding a resolution
-    // makes it no earlier than now.
-    static BASE: OnceLock<(Duration, Instant, Duration)> = OnceLock::new();
-    let (coarse_origin, origin, resolution) = *BASE.get_or_init(|| {
-        let coarse_origin = coarse();
-        let resolution = duration(clock_getres(ClockId::MonotonicCoarse));
-        (coarse_origin, Instant::now(), resolution)
+    // behind. `origin` is read after the coarse clock's `base` (moved one resolution back), so
+    // `origin + (coarse - base)` is no earlier than now and less than two resolutions later.
+    static BASE: OnceLock<(u64, Instant)> = OnceLock::new();
+    let (base, origin) = *BASE.get_or_init(|| {
+        let coarse = ns(clock_gettime(ClockId::MonotonicCoarse));
+        let resolution = ns(clock_getres(ClockId::MonotonicCoarse));
+        (coarse.saturating_sub(resolution), Instant::now())
     });
-    origin + coarse().saturating_sub(coarse_origin) + resolution
-}
-
-fn duration(t: rustix::time::Timespec) -> std::time::Duration {
-    std::time::Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+    let ahead = ns(clock_gettime(ClockId::MonotonicCoarse)).saturating_sub(base);
+    origin.checked_add(d.checked_add(Duration::from_nanos(ahead))?)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{coarse_now, duration};
+    use super::coarse_deadline;
     use std::time::{Duration, Instant};
 
+    fn duration(t: rustix::time::Timespec) -> Duration {
+        Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+    }
+
     #[test]
-    fn coarse_now_is_never_early_and_at_most_two_ticks_late() {
+    fn coarse_deadlines_are_never_early_and_at_most_two_ticks_late() {
         let res = duration(rustix::time::clock_getres(
             rustix::time::ClockId::MonotonicCoarse,
         ));
         // Slack for a preemption between the reads; a wrong sign or a missing tick shows as an
         // error of a whole tick every time, which the many rounds catch.
         let slack = Duration::from_millis(50);
-        let _ = coarse_now();
+        let d = Duration::from_secs(3);
+        let _ = coarse_deadline(d);
         for _ in 0..10_000 {
             let before = Instant::now();
-            let coarse = coarse_now();
+            let coarse = coarse_deadline(d).unwrap() - d;
             let after = Instant::now();
             assert!(
                 coarse >= before,
-                "coarse_now is {:?} early",
+                "a coarse deadline is {:?} early",
                 before - coarse
             );
             assert!(
                 coarse <= after + 2 * res + slack,
-                "coarse_now is {:?} late with a resolution of {res:?}",
+                "a coarse deadline is {:?} late with a resolution of {res:?}",
                 coarse - after
             );
         }

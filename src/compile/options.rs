@@ -226,7 +226,7 @@ setters! {
     timeline: bool,
 }
 
-/// Timeouts from this long on count from the coarse clock ([`crate::clock::coarse_now`]):
+/// Timeouts from this long on count from the coarse clock ([`crate::clock::coarse_deadline`]):
 /// a few ms late at most, under 1%, for a clock read a fifth of the cost.
 const COARSE_FROM: Duration = Duration::from_secs(1);
 
@@ -236,7 +236,7 @@ pub(crate) fn deadline_after(d: std::time::Duration) -> Option<std::time::Instan
     if d == Duration::MAX {
         None
     } else if d >= COARSE_FROM {
-        crate::clock::coarse_now().checked_add(d)
+        crate::clock::coarse_deadline(d)
     } else {
         std::time::Instant::now().checked_add(d)
     }
