@@ -7,6 +7,23 @@
 //! released, and at teardown. A waiting future holds nothing but its input, a waker
 //! registration and a timer entry until the very poll that submits, so dropping it at any
 //! await point submits nothing and leaks nothing.
+//!
+//! # No lost wake-up, and a free notification
+//!
+//! Every `get` notifies, and almost never is anybody waiting, so the notifier's side is made
+//! free and the waiter's side pays: an asymmetric fence (`membarrier`, as liburcu and folly
+//! do). A notifier changes the state (room), then, with only a compiler fence, loads the
+//! count of registered waiters and returns when it is 0. A waiter registers (count up), then
+//! makes every thread of the process run a full memory barrier (`membarrier`,
+//! `PRIVATE_EXPEDITED`), then looks at the room. Either a notifier's load came after that
+//! barrier on its CPU, and sees the registration, or before it, and then its change of the
+//! room, made earlier, is visible to the waiter's look. A notifier that sees a waiter bumps
+//! `generation` under the state lock and wakes everybody; a waiter sleeps only while the
+//! generation is the one it saw before it looked, and at most [`WAIT_SLICE`] at a time. Where
+//! the kernel refuses `membarrier` (old kernels, some sandboxes) both sides use a `SeqCst`
+//! fence instead. Registration is once per waiting call (a task stays registered across its
+//! polls), so the system call is paid once per submission that had to wait. Measured: the
+//! `SeqCst` increment this replaces cost ~11 ns of a 0.43 µs `echo/thread` round trip.
 use super::timer::{TimerEntry, wake_at};
 use super::{CompiledGraph, GraphShared, IntoOutputs};
 use crate::compile::deadline_after;
@@ -19,14 +36,54 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// Longest sleep of a waiting thread before it looks at the room again, whatever it was told.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// The two sides of the asymmetric fence of the module docs.
+mod fence {
+    use rustix::thread::{MembarrierCommand, membarrier, membarrier_query};
+    use std::sync::OnceLock;
+    use std::sync::atomic::{Ordering, compiler_fence, fence};
+
+    /// Whether `membarrier(PRIVATE_EXPEDITED)` works in this process (registered once).
+    fn expedited() -> bool {
+        static READY: OnceLock<bool> = OnceLock::new();
+        *READY.get_or_init(|| {
+            membarrier_query().contains_command(MembarrierCommand::PrivateExpedited)
+                && membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok()
+        })
+    }
+
+    /// The notifier's side: between its change of the room and its look at the waiters.
+    #[inline]
+    pub(super) fn light() {
+        if expedited() {
+            compiler_fence(Ordering::SeqCst);
+        } else {
+            fence(Ordering::SeqCst);
+        }
+    }
+
+    /// The waiter's side: between its registration and its look at the room.
+    pub(super) fn heavy() {
+        if !expedited() || membarrier(MembarrierCommand::PrivateExpedited).is_err() {
+            // Refused after a successful registration (not seen): the waiter's own fence
+            // still orders its side, and its sleeps are sliced, so a notification missed
+            // costs at most one slice.
+            fence(Ordering::SeqCst);
+        }
+    }
+}
 
 /// The submitters of one graph waiting for room.
 pub(crate) struct SubmitWaiters {
-    /// Bumped on every notification: a thread waits for it to change.
+    /// Bumped, under the state lock, by every notification that finds somebody waiting: a
+    /// thread waits for it to change.
     generation: AtomicU64,
     /// Threads waiting plus tasks registered: while 0, a notification (one per execution
-    /// read) costs two atomic operations and takes no lock.
+    /// read) is one plain load.
     waiting: AtomicUsize,
     state: Mutex<WaitState>,
     /// Wakes threads in `execute_wait`.
@@ -34,7 +91,8 @@ pub(crate) struct SubmitWaiters {
 }
 
 struct WaitState {
-    /// Tasks in `execute_async_wait`; each is woken once and registers again when polled.
+    /// Tasks in `execute_async_wait`, from their first refused attempt to their end; each
+    /// poll refreshes its waker.
     wakers: HashMap<u64, Waker>,
     /// Threads in `wait_change`.
     threads: usize,
@@ -62,20 +120,16 @@ impl SubmitWaiters {
     }
 
     /// Room may have freed (an execution was read, a ref released) or the graph stopped:
-    /// every waiter tries again.
+    /// every waiter tries again. Call it after the change.
     pub(crate) fn notify(&self) {
-        // Pairs with the waiters' SeqCst store of `waiting` then load of `generation`: either
-        // this sees them waiting, or they see the new generation (and a registered task
-        // tries again in the poll that registered it).
-        self.generation.fetch_add(1, Ordering::SeqCst);
-        if self.waiting.load(Ordering::SeqCst) == 0 {
+        fence::light();
+        if self.waiting.load(Ordering::Relaxed) == 0 {
             return;
         }
         let wakers: Vec<Waker> = {
-            let mut s = self.state.lock();
-            let wakers = s.wakers.drain().map(|(_, w)| w).collect();
-            self.waiting.store(s.count(), Ordering::SeqCst);
-            wakers
+            let s = self.state.lock();
+            self.generation.fetch_add(1, Ordering::Release);
+            s.wakers.values().cloned().collect()
         };
         self.cv.notify_all();
         for w in wakers {
@@ -83,49 +137,71 @@ impl SubmitWaiters {
         }
     }
 
+    /// The generation now; read after registering, before looking at the room.
     fn generation(&self) -> u64 {
-        self.generation.load(Ordering::SeqCst)
+        self.generation.load(Ordering::Acquire)
     }
 
-    /// Wait until a notification after `seen`; false when `deadline` passed first.
-    fn wait_change(&self, seen: u64, deadline: Option<Instant>) -> bool {
+    /// Counts a thread as waiting, then fences (see the module docs): the caller looks at
+    /// the room after this, and calls [`leave`](Self::leave) when it is done waiting.
+    fn enter(&self) {
         let mut s = self.state.lock();
         s.threads += 1;
-        self.waiting.store(s.count(), Ordering::SeqCst);
-        let mut changed = true;
-        while self.generation() == seen {
-            match deadline {
-                None => self.cv.wait(&mut s),
-                Some(d) => {
-                    if self.cv.wait_until(&mut s, d).timed_out() && self.generation() == seen {
-                        changed = false;
-                        break;
-                    }
-                }
-            }
-        }
-        s.threads -= 1;
-        self.waiting.store(s.count(), Ordering::SeqCst);
-        changed
+        self.waiting.store(s.count(), Ordering::Relaxed);
+        drop(s);
+        fence::heavy();
     }
 
-    /// Register (or refresh) a task's waker; returns its id. The caller tries to submit
-    /// after this, so a notification in between is not lost.
+    fn leave(&self) {
+        let mut s = self.state.lock();
+        s.threads -= 1;
+        self.waiting.store(s.count(), Ordering::Relaxed);
+    }
+
+    /// Sleeps until a notification after `seen`, or [`WAIT_SLICE`], or `deadline`; the
+    /// caller then looks at the room again.
+    fn sleep(&self, seen: u64, deadline: Option<Instant>) {
+        self.sleep_up_to(seen, deadline, WAIT_SLICE);
+    }
+
+    /// [`sleep`](Self::sleep) with its slice given; whether a notification ended it.
+    fn sleep_up_to(&self, seen: u64, deadline: Option<Instant>, slice: Duration) -> bool {
+        let slice_end = Instant::now() + slice;
+        let until = deadline.map_or(slice_end, |d| d.min(slice_end));
+        let mut s = self.state.lock();
+        while self.generation() == seen {
+            if self.cv.wait_until(&mut s, until).timed_out() {
+                return self.generation() != seen;
+            }
+        }
+        true
+    }
+
+    /// Registers a task's waker (first call: `id` is `None`, and the fence of the module
+    /// docs follows), or refreshes it; returns its id. The caller looks at the room after
+    /// this.
     fn register(&self, id: Option<u64>, waker: &Waker) -> u64 {
         let mut s = self.state.lock();
-        let id = id.unwrap_or_else(|| {
-            s.next_id += 1;
-            s.next_id
-        });
+        let (id, first) = match id {
+            Some(id) => (id, false),
+            None => {
+                s.next_id += 1;
+                (s.next_id, true)
+            }
+        };
         s.wakers.insert(id, waker.clone());
-        self.waiting.store(s.count(), Ordering::SeqCst);
+        self.waiting.store(s.count(), Ordering::Relaxed);
+        drop(s);
+        if first {
+            fence::heavy();
+        }
         id
     }
 
     fn unregister(&self, id: u64) {
         let mut s = self.state.lock();
         if s.wakers.remove(&id).is_some() {
-            self.waiting.store(s.count(), Ordering::SeqCst);
+            self.waiting.store(s.count(), Ordering::Relaxed);
         }
     }
 }
@@ -188,12 +264,20 @@ impl<I: Value> Future for Submit<I> {
                     .into(),
             }));
         }
-        // Register before trying: room freed after the attempt then wakes this task.
-        this.waiter = Some(this.shared.submit_waiters.register(this.waiter, cx.waker()));
-        // Synchronizes with any notification that did not see this task registered, so the
-        // attempt below sees the room that notification announced.
-        this.shared.submit_waiters.generation();
-        match this.shared.execute(&this.input) {
+        let mut attempt = this.shared.execute(&this.input);
+        if matches!(
+            attempt,
+            Err(Error::CapacityExceeded {
+                capacity: Capacity::InflightExecutions,
+                ..
+            })
+        ) {
+            // Registered (or its waker refreshed) before looking again: room freed after
+            // this look wakes the task (module docs).
+            this.waiter = Some(this.shared.submit_waiters.register(this.waiter, cx.waker()));
+            attempt = this.shared.execute(&this.input);
+        }
+        match attempt {
             Err(Error::CapacityExceeded {
                 capacity: Capacity::InflightExecutions,
                 limit,
@@ -236,21 +320,36 @@ impl<I: Value> Drop for Submit<I> {
 impl<I: Value> GraphShared<I> {
     /// Submit, waiting for room up to `submit_timeout` (the calling thread sleeps).
     pub(crate) fn execute_wait(&self, input: &I) -> Result<u64> {
+        let first = self.execute(input);
+        if !matches!(
+            first,
+            Err(Error::CapacityExceeded {
+                capacity: Capacity::InflightExecutions,
+                ..
+            })
+        ) {
+            return first.map_err(|e| self.settled(e));
+        }
         let deadline = deadline_after(self.opts.submit_timeout);
-        loop {
-            let seen = self.submit_waiters.generation();
+        let waiters = &self.submit_waiters;
+        waiters.enter();
+        let result = loop {
+            let seen = waiters.generation();
             match self.execute(input) {
                 Err(Error::CapacityExceeded {
                     capacity: Capacity::InflightExecutions,
                     limit,
                 }) => {
-                    if !self.submit_waiters.wait_change(seen, deadline) {
-                        return Err(no_room(limit, &self.opts));
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        break Err(no_room(limit, &self.opts));
                     }
+                    waiters.sleep(seen, deadline);
                 }
-                other => return other.map_err(|e| self.settled(e)),
+                other => break other.map_err(|e| self.settled(e)),
             }
-        }
+        };
+        waiters.leave();
+        result
     }
 }
 
@@ -337,5 +436,71 @@ impl<I: Value, O: IntoOutputs> CompiledGraph<I, O> {
         }
         let exec = Submit::new(self.shared.clone(), input).await?;
         Ok(self.refs(exec))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SubmitWaiters;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, Instant};
+
+    /// Spins (yielding) until `cond`, for at most `limit`.
+    fn spin_until(limit: Duration, cond: impl Fn() -> bool) -> bool {
+        let end = Instant::now() + limit;
+        while !cond() {
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        true
+    }
+
+    /// The race of the module docs, run many times: a notifier changes the state and notifies
+    /// while a waiter that found no room registers and looks again. A notification lost
+    /// there leaves the waiter asleep for its whole slice (here far longer than any wake-up):
+    /// each round must end by a notification.
+    #[test]
+    fn a_waiter_registering_while_the_room_changes_misses_no_notification() {
+        const ROUNDS: u64 = 100_000;
+        let waiters = Arc::new(SubmitWaiters::new());
+        let room = Arc::new(AtomicU64::new(0));
+        let seen_by_waiter = Arc::new(AtomicU64::new(0));
+        let notifier = {
+            let (waiters, room, seen_by_waiter) =
+                (waiters.clone(), room.clone(), seen_by_waiter.clone());
+            std::thread::spawn(move || {
+                for k in 1..=ROUNDS {
+                    let acked = spin_until(Duration::from_secs(60), || {
+                        seen_by_waiter.load(Ordering::Acquire) == k - 1
+                    });
+                    assert!(acked, "the waiter stopped at round {k}");
+                    room.store(k, Ordering::Release);
+                    waiters.notify();
+                }
+            })
+        };
+        let slice = Duration::from_secs(30);
+        for k in 1..=ROUNDS {
+            // As execute_wait: a first look without registering, then register and look again.
+            if room.load(Ordering::Acquire) < k {
+                waiters.enter();
+                loop {
+                    let seen = waiters.generation();
+                    if room.load(Ordering::Acquire) >= k {
+                        break;
+                    }
+                    assert!(
+                        waiters.sleep_up_to(seen, None, slice),
+                        "round {k}: the waiter slept its whole slice, a notification was lost"
+                    );
+                }
+                waiters.leave();
+            }
+            seen_by_waiter.store(k, Ordering::Release);
+        }
+        notifier.join().unwrap();
     }
 }
