@@ -6,14 +6,20 @@
 //! method returns; outside a method, or when the output has no shared memory, the buffer
 //! is on the heap.
 use crate::buffer::BufferMut;
-use std::cell::RefCell;
+use std::cell::Cell;
+use std::ptr::NonNull;
 use std::rc::Rc;
 
 /// Lends `len` bytes of an output channel's memory; `None` when it has none free.
 pub(crate) type Lender = Rc<dyn Fn(usize) -> Option<BufferMut>>;
 
 thread_local! {
-    static CURRENT: RefCell<Option<Lender>> = const { RefCell::new(None) };
+    /// The lender of the method running on this thread, borrowed from [`lending`]'s caller
+    /// for the length of the call. A plain pointer in a `Cell`, not a counted `Rc` in a
+    /// `RefCell`: setting and restoring it are two stores to a thread-local without a
+    /// destructor, where the counted form (a clone, two borrows, a drop per call) cost
+    /// ~20 ns of a 0.44 µs `echo/thread` round trip.
+    static CURRENT: Cell<Option<NonNull<Lender>>> = const { Cell::new(None) };
 }
 
 /// Runs `f` (a method) with `lender` as what [`output_buffer`] draws on.
@@ -22,14 +28,13 @@ pub(crate) fn lending<R>(lender: Option<&Lender>, f: impl FnOnce() -> R) -> R {
         return f();
     };
     /// Puts the previous lender back, also when the method panics.
-    struct Restore(Option<Lender>);
+    struct Restore(Option<NonNull<Lender>>);
     impl Drop for Restore {
         fn drop(&mut self) {
-            let previous = self.0.take();
-            CURRENT.with(|c| *c.borrow_mut() = previous);
+            CURRENT.set(self.0);
         }
     }
-    let _restore = Restore(CURRENT.with(|c| c.replace(Some(lender.clone()))));
+    let _restore = Restore(CURRENT.replace(Some(NonNull::from(lender))));
     f()
 }
 
@@ -73,7 +78,12 @@ pub(crate) fn lending<R>(lender: Option<&Lender>, f: impl FnOnce() -> R) -> R {
 /// # }
 /// ```
 pub fn output_buffer(len: usize) -> BufferMut {
-    let lender = CURRENT.with(|c| c.borrow().clone());
+    let lender = CURRENT.get().map(|lender| {
+        // SAFETY: the pointer was made from a `&Lender` by `lending`, whose frame holds that
+        // borrow until `Restore` takes the pointer out again, on return and on unwind alike;
+        // only this thread reads it, and only from inside `f`, within that frame.
+        unsafe { lender.as_ref() }.clone()
+    });
     lender
         .and_then(|lend| lend(len))
         .unwrap_or_else(|| BufferMut::zeroed(len))
