@@ -63,10 +63,12 @@ unsafe impl<T: Send> Send for Shared<T> {}
 // SAFETY: as above.
 unsafe impl<T: Send> Sync for Shared<T> {}
 
-impl<T> Shared<T> {
-    fn slot(&self, seq: u64) -> &Slot<T> {
-        &self.slots[(seq % self.slots.len() as u64) as usize]
-    }
+/// The slot after `slot` in a ring of `depth`: each end keeps its slot's index and steps it
+/// so, instead of dividing its sequence number by the depth at every push, pop and poll (a
+/// 64-bit division sits on the path from a message's landing to its reading: the next poll's
+/// address waits for it).
+fn following(slot: usize, depth: usize) -> usize {
+    if slot + 1 == depth { 0 } else { slot + 1 }
 }
 
 impl<T> Drop for Shared<T> {
@@ -101,9 +103,14 @@ pub(crate) fn queue<T: Send>(depth: usize) -> (Producer<T>, Consumer<T>) {
         Producer {
             shared: shared.clone(),
             next: 0,
+            slot: 0,
             released: 0,
         },
-        Consumer { shared, next: 0 },
+        Consumer {
+            shared,
+            next: 0,
+            slot: 0,
+        },
     )
 }
 
@@ -112,6 +119,8 @@ pub(crate) struct Producer<T> {
     shared: Arc<Shared<T>>,
     /// Sequence of the next message.
     next: u64,
+    /// Its slot: `next % depth`.
+    slot: usize,
     /// The reader's `released` as last read: a lower bound.
     released: u64,
 }
@@ -126,13 +135,14 @@ impl<T> Producer<T> {
                 return Err(value);
             }
         }
-        let slot = self.shared.slot(self.next);
+        let slot = &self.shared.slots[self.slot];
         // SAFETY: the reader released message `next - depth`, the last one in this slot, and
         // moved its value out before (acquire on `released`); it touches the slot's value
         // again only once it sees the stamp stored below, after this write.
         slot.value.with_mut(|cell| unsafe { (*cell).write(value) });
         slot.stamp.store(self.next + 1, Ordering::Release);
         self.next += 1;
+        self.slot = following(self.slot, self.shared.slots.len());
         Ok(())
     }
 
@@ -153,12 +163,14 @@ pub(crate) struct Consumer<T> {
     shared: Arc<Shared<T>>,
     /// Sequence of the next message.
     next: u64,
+    /// Its slot: `next % depth`.
+    slot: usize,
 }
 
 impl<T> Consumer<T> {
     /// Takes the next message out, if it is there.
     pub(crate) fn pop(&mut self) -> Option<T> {
-        let slot = self.shared.slot(self.next);
+        let slot = &self.shared.slots[self.slot];
         if slot.stamp.load(Ordering::Acquire) != self.next + 1 {
             return None;
         }
@@ -169,6 +181,7 @@ impl<T> Consumer<T> {
             .value
             .with(|cell| unsafe { (*cell).assume_init_read() });
         self.next += 1;
+        self.slot = following(self.slot, self.shared.slots.len());
         self.shared.released.store(self.next, Ordering::Release);
         Some(value)
     }
