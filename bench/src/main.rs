@@ -826,6 +826,11 @@ fn run(args: &Args) -> Result<Vec<Row>> {
     };
     b.echo(Placement::Thread).context("echo/thread")?;
     b.echo(Placement::Process).context("echo/process")?;
+    // The floors right after the rows read against them: a host whose speed drifts during a
+    // run (floors of 0.18 and 0.26 µs in two rounds of one compare.py run here) drifts under
+    // both, not under the echoes only or the floors only. Not before them: the first threads
+    // of a fresh process can start on one CPU (a quick run's thread floor took ~100 µs so).
+    b.floors().context("floors")?;
     b.call(Placement::Thread).context("call/thread")?;
     b.call(Placement::Process).context("call/process")?;
     b.chain3(Placement::Thread, false)
@@ -835,7 +840,6 @@ fn run(args: &Args) -> Result<Vec<Row>> {
     b.fanout4().context("fanout4")?;
     b.payloads().context("payloads")?;
     b.transforms().context("transforms")?;
-    b.floors().context("floors")?;
     b.async_echo().context("async_echo")?;
     b.compile().context("compile")?;
     b.hosts().context("hosts")?;
