@@ -728,16 +728,24 @@ mod tests {
     use std::sync::Mutex;
     use std::task::{Context, Waker};
 
-    /// A graph of two executions in which the first lands between two looks of a scan:
+    /// A fake graph. Its results are `exec * 10`, always there, after `timeouts` fetches
+    /// that time out; it counts what its refs release. With `lands_between_looks`,
     /// execution 0 reads as ready only once execution 1 has been looked at (as reading
-    /// execution 1 off the channels reads execution 0 first).
+    /// execution 1 off the channels reads execution 0 first): a graph of two executions in
+    /// which the first lands between two looks of a scan.
     #[derive(Default)]
-    struct LandsBetweenLooks {
+    struct FakeOwner {
+        lands_between_looks: bool,
         looked_at_second: Mutex<bool>,
+        released: std::sync::atomic::AtomicUsize,
+        timeouts: std::sync::atomic::AtomicUsize,
     }
 
-    impl LandsBetweenLooks {
+    impl FakeOwner {
         fn ready(&self, exec: u64) -> bool {
+            if !self.lands_between_looks {
+                return true;
+            }
             let mut second = self.looked_at_second.lock().unwrap();
             if exec == 1 {
                 *second = true;
@@ -746,66 +754,7 @@ mod tests {
         }
     }
 
-    impl RefOwner for LandsBetweenLooks {
-        fn fetch_next(&self, _: u64, _: Option<Duration>, _: &mut dyn Any) -> Option<Result<()>> {
-            None
-        }
-        fn fetch(&self, exec: u64, _: usize, _: Option<Duration>) -> Result<Box<dyn Any + Send>> {
-            Ok(Box::new(Msg::Value(exec * 10)))
-        }
-        fn poll_fetch(
-            &self,
-            exec: u64,
-            output: usize,
-            _: &mut Context<'_>,
-        ) -> Poll<Result<Box<dyn Any + Send>>> {
-            Poll::Ready(self.fetch(exec, output, None))
-        }
-        fn poll_reading(
-            &self,
-            exec: u64,
-            output: usize,
-            cx: &mut Context<'_>,
-            _: Duration,
-        ) -> Poll<Result<Box<dyn Any + Send>>> {
-            self.poll_fetch(exec, output, cx)
-        }
-        fn release(&self, _: u64, _: usize) {}
-        fn describe_output(&self, _: usize) -> String {
-            "the fake output".into()
-        }
-        fn graph(&self) -> (u64, usize) {
-            (0, 1)
-        }
-        fn settle(&self) {}
-        fn wait_ready(&self, exec: u64, _: usize, _: Option<Duration>) -> Result<bool> {
-            Ok(self.ready(exec))
-        }
-        fn poll_ready(&self, exec: u64, _: usize, _: &mut Context<'_>) -> Poll<Result<()>> {
-            if self.ready(exec) {
-                Poll::Ready(Ok(()))
-            } else {
-                Poll::Pending
-            }
-        }
-    }
-
-    fn two_refs() -> Vec<CompiledRef<u64>> {
-        let owner: Arc<dyn RefOwner> = Arc::new(LandsBetweenLooks::default());
-        (0..2)
-            .map(|exec| CompiledRef::new(&ExecToken::new(&owner, exec), 0))
-            .collect()
-    }
-
-    /// A graph whose results are always there (after `timeouts` fetches that time out),
-    /// counting what its refs release.
-    #[derive(Default)]
-    struct Counting {
-        released: std::sync::atomic::AtomicUsize,
-        timeouts: std::sync::atomic::AtomicUsize,
-    }
-
-    impl RefOwner for Counting {
+    impl RefOwner for FakeOwner {
         fn fetch_next(&self, _: u64, _: Option<Duration>, _: &mut dyn Any) -> Option<Result<()>> {
             None
         }
@@ -819,7 +768,7 @@ mod tests {
                     hint: String::new(),
                 });
             }
-            Ok(Box::new(Msg::Value(exec)))
+            Ok(Box::new(Msg::Value(exec * 10)))
         }
         fn poll_fetch(
             &self,
@@ -842,28 +791,42 @@ mod tests {
             self.released.fetch_add(1, Ordering::Relaxed);
         }
         fn describe_output(&self, _: usize) -> String {
-            "the counted output".into()
+            "the fake output".into()
         }
         fn graph(&self) -> (u64, usize) {
             (0, 1)
         }
         fn settle(&self) {}
-        fn wait_ready(&self, _: u64, _: usize, _: Option<Duration>) -> Result<bool> {
-            Ok(true)
+        fn wait_ready(&self, exec: u64, _: usize, _: Option<Duration>) -> Result<bool> {
+            Ok(self.ready(exec))
         }
-        fn poll_ready(&self, _: u64, _: usize, _: &mut Context<'_>) -> Poll<Result<()>> {
-            Poll::Ready(Ok(()))
+        fn poll_ready(&self, exec: u64, _: usize, _: &mut Context<'_>) -> Poll<Result<()>> {
+            if self.ready(exec) {
+                Poll::Ready(Ok(()))
+            } else {
+                Poll::Pending
+            }
         }
     }
 
-    fn counted_ref(exec: u64) -> (Arc<Counting>, CompiledRef<u64>) {
-        let counting = Arc::new(Counting::default());
-        let owner: Arc<dyn RefOwner> = counting.clone();
+    fn two_refs() -> Vec<CompiledRef<u64>> {
+        let owner: Arc<dyn RefOwner> = Arc::new(FakeOwner {
+            lands_between_looks: true,
+            ..FakeOwner::default()
+        });
+        (0..2)
+            .map(|exec| CompiledRef::new(&ExecToken::new(&owner, exec), 0))
+            .collect()
+    }
+
+    fn counted_ref(exec: u64) -> (Arc<FakeOwner>, CompiledRef<u64>) {
+        let fake = Arc::new(FakeOwner::default());
+        let owner: Arc<dyn RefOwner> = fake.clone();
         let r = CompiledRef::new(&ExecToken::new(&owner, exec), 0);
-        (counting, r)
+        (fake, r)
     }
 
-    fn released(c: &Counting) -> usize {
+    fn released(c: &FakeOwner) -> usize {
         c.released.load(Ordering::Relaxed)
     }
 
@@ -885,7 +848,7 @@ mod tests {
     fn a_claimed_result_is_claimed_for_every_clone_and_never_released() {
         let (c, r) = counted_ref(7);
         let clone = r.clone();
-        assert_eq!(clone.get().unwrap(), 7);
+        assert_eq!(clone.get().unwrap(), 70);
         assert!(matches!(
             r.get_timeout(Duration::from_secs(1)),
             Err(Error::AlreadyClaimed { execution: 7, .. })
@@ -895,7 +858,7 @@ mod tests {
 
         // Claimed before the first clone: the clone made after sees the claim.
         let (c, r) = counted_ref(8);
-        assert_eq!(r.get_timeout(Duration::from_secs(1)).unwrap(), 8);
+        assert_eq!(r.get_timeout(Duration::from_secs(1)).unwrap(), 80);
         let clone = r.clone();
         assert!(matches!(clone.get(), Err(Error::AlreadyClaimed { .. })));
         drop(r);
@@ -915,7 +878,7 @@ mod tests {
             clone.get_timeout(Duration::from_millis(1)),
             Err(Error::Timeout { .. })
         ));
-        assert_eq!(r.get().unwrap(), 2);
+        assert_eq!(r.get().unwrap(), 20);
         drop(clone);
         assert_eq!(released(&c), 0);
     }
