@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+pub(crate) mod cpu;
 #[cfg(all(test, not(loom)))]
 mod frame_tests;
 pub(crate) mod local;

@@ -56,6 +56,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::cpu;
 use crate::sync::{AtomicU32, Ordering, fence, thread};
 
 /// Default spin budget before sleeping: the window that keeps cross-process round trips at
@@ -74,25 +75,40 @@ const PURE_STEPS: u32 = 80;
 const CHUNK_SHIFT: u32 = 4;
 
 /// In phase 2, one step in this many is a `yield_now` (and a look at the clock).
-#[cfg(not(loom))]
 const YIELD_EVERY: u32 = 4;
 
 /// Every this many waits, spin first even if the last waits ended only after a yield.
 const PROBE_EVERY: u32 = 16;
 
-/// After this long with every wait ending only after a yield, one yield becomes a short sleep
-/// ([`UNSTICK_SLEEP`]). Two ends of a ping-pong that the kernel put on one CPU (a futex
-/// wake-up places the woken thread beside its waker) hand the CPU to each other by
-/// `sched_yield` for ever: neither leaves the run queue, both look cache-hot, so the load
-/// balancer never moves one to the idle CPU. Measured here: an echo stuck so took ~1.9 µs a
-/// round trip instead of ~0.45, in a quarter of the runs, with one context switch per yield.
-/// Waking from a timer, the sleeper is placed afresh, on an idle CPU if there is one. It sleeps
-/// only when the kernel counts no more runnable threads than CPUs ([`a_cpu_may_be_idle`]):
-/// where the actors truly outnumber the CPUs, yielding is right, and a sleep there cost the
-/// oversubscribed rows (`chain3/*`) 2-6% in a trial.
-const UNSTICK_AFTER: Duration = Duration::from_millis(2);
+/// While every wait is answered in its first yield (what a peer that runs only when this
+/// thread yields its CPU looks like), once per this interval a wait looks whether its thread
+/// shares its CPU ([`cpu`](super::cpu) explains why two ends of a ping-pong can stay stuck on
+/// one CPU). It counts as sharing when the thread spent at least a quarter of the interval
+/// queued behind another runnable thread ([`cpu::queued_ns`]): a thread that yields on a CPU
+/// of its own (its peer computing elsewhere) is never queued. A sharing thread moves to
+/// another CPU ([`cpu::move_to_another_cpu`]) on a coin's head, if the kernel counts a CPU
+/// that may be idle: both ends of a stuck pair look at about the same time, and two that moved
+/// together would be stuck together again. Where moving is refused (a pinned thread), the
+/// yield becomes a short sleep ([`UNSTICK_SLEEP`]), after which the kernel places the thread
+/// afresh.
+///
+/// Measured here (`adag-bench --filter echo/thread --iters 2000`): 6 of 12 runs stayed stuck
+/// at ~1.9 µs a round trip for most of the run, 0 of 14 with this. Before, a 50 µs sleep every
+/// 2 ms of yields, gated by the kernel's count alone, was meant to end it (but both ends may
+/// sleep at once, and wake side by side again); a 200 µs interval for that sleep made it far
+/// worse (p50 2.3 µs, p99 129 µs).
+///
+/// Where the threads outnumber the CPUs, sharing lasts and a move does not help: a look that
+/// finds sharing and shows heads (moving or not) doubles the interval of its channel end, up
+/// to [`UNSTICK_AFTER_MAX`], and a look that finds no sharing halves it again. And waits that
+/// need several yields (a peer's work, the network) end the run, so they never look: looking
+/// at every run of yields every 250 µs cost `fanout3/hosts` ~9% (15,000 looks a second).
+const UNSTICK_AFTER: Duration = Duration::from_micros(250);
 
-/// The sleep of [`UNSTICK_AFTER`].
+/// The longest interval between two looks (see [`UNSTICK_AFTER`]).
+const UNSTICK_AFTER_MAX: Duration = Duration::from_millis(16);
+
+/// The sleep of [`UNSTICK_AFTER`] where moving is refused.
 const UNSTICK_SLEEP: Duration = Duration::from_micros(50);
 
 /// A deadline that has always passed: a wait given it polls once and returns (a try),
@@ -111,8 +127,12 @@ pub(crate) struct SpinPolicy {
     pure_steps: u32,
     waits: u32,
     /// Since when every wait ended only after a yield (`None` while waits end in the pure
-    /// spin, and again after an unsticking sleep).
+    /// spin, and again after an unsticking move).
     yielding_since: Option<Instant>,
+    /// [`cpu::queued_ns`] at the last look of this run of yields (`None`: not looked yet).
+    queued_at_look: Option<u64>,
+    /// The interval between two looks: [`UNSTICK_AFTER`], doubled by each move.
+    unstick_after: Duration,
 }
 
 impl SpinPolicy {
@@ -123,6 +143,8 @@ impl SpinPolicy {
             pure_steps: PURE_STEPS,
             waits: 0,
             yielding_since: None,
+            queued_at_look: None,
+            unstick_after: UNSTICK_AFTER,
         }
     }
 
@@ -138,10 +160,9 @@ impl SpinPolicy {
         let mut unstick = false;
         if let Some(since) = self.yielding_since {
             let now = Instant::now();
-            if now.duration_since(since) >= UNSTICK_AFTER {
-                // Looked at once per interval, whatever it says.
-                self.yielding_since = Some(now);
-                unstick = a_cpu_may_be_idle();
+            let interval = now.duration_since(since);
+            if interval >= self.unstick_after {
+                unstick = self.look(now, interval, cpu::queued_ns(), cpu::a_cpu_may_be_idle);
             }
         }
         Backoff {
@@ -150,23 +171,59 @@ impl SpinPolicy {
             budget: self.budget,
             since: None,
             unstick,
-            slept: false,
+            unstuck: false,
         }
+    }
+
+    /// The look of [`UNSTICK_AFTER`], `interval` after the previous one (or the run's start):
+    /// whether the next yield should move the thread. `queued` is [`cpu::queued_ns`] now; the
+    /// first look of a run only keeps it for the next one to compare with.
+    fn look(
+        &mut self,
+        now: Instant,
+        interval: Duration,
+        queued: Option<u64>,
+        a_cpu_may_be_idle: impl FnOnce() -> bool,
+    ) -> bool {
+        self.yielding_since = Some(now);
+        let shared = match (self.queued_at_look, queued) {
+            (Some(then), Some(queued)) => {
+                queued.saturating_sub(then) >= interval.as_nanos() as u64 / 4
+            }
+            _ => false,
+        };
+        self.queued_at_look = queued;
+        let heads = shared && coin(now);
+        self.unstick_after = if heads {
+            (self.unstick_after * 2).min(UNSTICK_AFTER_MAX)
+        } else if shared {
+            self.unstick_after
+        } else {
+            (self.unstick_after / 2).max(UNSTICK_AFTER)
+        };
+        heads && a_cpu_may_be_idle()
     }
 
     /// Remembers how a wait that did not sleep ended.
     fn learn(&mut self, backoff: &Backoff) {
         if backoff.yielded() {
             self.pure_steps = 0;
-            if backoff.slept {
-                self.yielding_since = None;
+            if backoff.unstuck || !backoff.answered_in_first_yield() {
+                // A wait that took several yields waited for a peer's work or the network,
+                // not for the peer to be let onto this CPU.
+                self.end_run_of_yields();
             } else if self.yielding_since.is_none() {
                 self.yielding_since = Some(Instant::now());
             }
         } else {
             self.pure_steps = PURE_STEPS;
-            self.yielding_since = None;
+            self.end_run_of_yields();
         }
+    }
+
+    fn end_run_of_yields(&mut self) {
+        self.yielding_since = None;
+        self.queued_at_look = None;
     }
 
     /// Phases 1 and 2 of one wait for a condition that has no wait cell (a socket): polls
@@ -189,38 +246,10 @@ impl SpinPolicy {
     }
 }
 
-/// Whether the kernel counts no more runnable threads than this process may use CPUs (the
-/// fourth field of `/proc/loadavg`, `running/total`; it counts the caller): a thread that
-/// shares its CPU with its peer may then find another one idle. `false` when that cannot be
-/// read (the waits keep yielding, as they did before).
-#[cfg(not(loom))]
-fn a_cpu_may_be_idle() -> bool {
-    use std::os::unix::fs::FileExt;
-    // Opened once: a read at offset 0 of a proc file makes it afresh (a few µs, no open).
-    static LOADAVG: std::sync::OnceLock<Option<(std::fs::File, usize)>> =
-        std::sync::OnceLock::new();
-    let Some((file, cpus)) = LOADAVG.get_or_init(|| {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        std::fs::File::open("/proc/loadavg").ok().map(|f| (f, cpus))
-    }) else {
-        return false;
-    };
-    let mut buf = [0u8; 128];
-    let Ok(len) = file.read_at(&mut buf, 0) else {
-        return false;
-    };
-    std::str::from_utf8(&buf[..len])
-        .unwrap_or_default()
-        .split_whitespace()
-        .nth(3)
-        .and_then(|field| field.split_once('/'))
-        .and_then(|(running, _)| running.parse::<usize>().ok())
-        .is_some_and(|running| running <= *cpus)
-}
-
-#[cfg(loom)]
-fn a_cpu_may_be_idle() -> bool {
-    false
+/// A fair coin from the clock's low bits (a few hundred ns apart, two threads' looks differ
+/// there), so that only one of two stuck ends moves, most of the time.
+fn coin(now: Instant) -> bool {
+    now.duration_since(passed()).subsec_nanos() & 0x40 != 0
 }
 
 /// One step of a [`Backoff`].
@@ -244,10 +273,10 @@ struct Backoff {
     /// When phase 2 began; the budget is counted from there, so that the pure spins of the
     /// fast path never read the clock.
     since: Option<Instant>,
-    /// The next yield is a sleep of [`UNSTICK_SLEEP`] (see [`UNSTICK_AFTER`]).
+    /// The next yield is a move to another CPU (see [`UNSTICK_AFTER`]).
     unstick: bool,
-    /// This wait slept so.
-    slept: bool,
+    /// This wait moved (or slept, where moving was refused).
+    unstuck: bool,
 }
 
 impl Backoff {
@@ -270,8 +299,10 @@ impl Backoff {
             return Step::Spent(now);
         }
         if std::mem::take(&mut self.unstick) {
-            thread::sleep(UNSTICK_SLEEP);
-            self.slept = true;
+            if cpu::move_to_another_cpu().is_none() {
+                thread::sleep(UNSTICK_SLEEP);
+            }
+            self.unstuck = true;
             return Step::Yielded(now);
         }
         // With more runnable actors than cores the peer may be waiting for this CPU:
@@ -289,7 +320,10 @@ impl Backoff {
             self.budget,
             self.since,
             self.unstick,
-            self.slept,
+            self.unstuck,
+            // The model never moves a thread off its CPU.
+            cpu::move_to_another_cpu,
+            UNSTICK_SLEEP,
         );
         self.step += 1;
         match self.step {
@@ -308,6 +342,12 @@ impl Backoff {
     /// Whether this wait went past its pure-spin phase.
     fn yielded(&self) -> bool {
         self.step > self.pure_steps
+    }
+
+    /// Whether this wait ended between its first yield and its second: what a peer that runs
+    /// only while this thread yields its CPU looks like.
+    fn answered_in_first_yield(&self) -> bool {
+        self.yielded() && self.step <= self.pure_steps + YIELD_EVERY
     }
 }
 
@@ -564,11 +604,11 @@ mod tests {
         });
     }
 
-    /// A run of waits that all end after a yield looks, once per [`UNSTICK_AFTER`], whether a
-    /// CPU may be idle; a wait whose yield became a sleep, or one answered while spinning,
-    /// ends the run.
+    /// A run of waits answered in their first yield looks, once per interval, whether the
+    /// thread shares its CPU; a wait that needed several yields, one that moved, or one
+    /// answered while spinning ends the run.
     #[test]
-    fn a_long_run_of_yields_sleeps_once_to_be_placed_afresh() {
+    fn a_run_of_waits_answered_in_a_yield_is_looked_at_once_per_interval() {
         with_watchdog(WATCHDOG, || {
             let cell = WaitCell::default();
             let mut policy = SpinPolicy::new(DEFAULT_SPIN);
@@ -580,20 +620,29 @@ mod tests {
                     (polls > n).then_some(())
                 }
             };
+            // Answered right after the first yield (the pure spins' polls, then one more).
             cell.wait(&mut policy, None, ready_after(PURE_STEPS + 1));
             let began = policy.yielding_since.expect("a run of yields began");
             // Within the interval nothing is looked at.
             assert!(!policy.backoff().unstick);
             assert_eq!(policy.yielding_since, Some(began));
-            // Past it, the next wait looks (what it finds is the kernel's) and the interval
-            // starts again.
-            policy.yielding_since = Some(began - UNSTICK_AFTER);
-            let _ = policy.backoff();
+            assert_eq!(policy.queued_at_look, None);
+            // Past it, the next wait looks: the first look of a run only takes the count.
+            policy.yielding_since = Some(began - policy.unstick_after);
+            assert!(!policy.backoff().unstick);
             assert!(policy.yielding_since.unwrap() >= began);
-            // A wait whose yield is a sleep ends the run.
+            assert_eq!(policy.queued_at_look.is_some(), cpu::queued_ns().is_some());
+            // A wait that yields several times waited for work, not for this CPU: run over.
+            // (The policy yields at once now: its last wait ended after a yield.)
+            cell.wait(&mut policy, None, ready_after(3 * YIELD_EVERY));
+            assert_eq!(policy.yielding_since, None);
+            assert_eq!(policy.queued_at_look, None);
+            // A wait whose yield is a move ends the run.
+            cell.wait(&mut policy, None, ready_after(1));
+            assert!(policy.yielding_since.is_some());
             let mut backoff = policy.backoff();
             backoff.unstick = true;
-            while !backoff.slept {
+            while !backoff.unstuck {
                 backoff.snooze();
             }
             policy.learn(&backoff);
@@ -604,6 +653,44 @@ mod tests {
             cell.wait(&mut policy, None, ready_after(2));
             assert_eq!(policy.yielding_since, None);
         });
+    }
+
+    /// A look moves the thread only when it spent a quarter of the interval queued behind
+    /// another thread, the coin shows heads, and a CPU may be idle. Looks that find sharing
+    /// (on heads) make the next look later; looks that find none bring it back.
+    #[test]
+    fn a_look_moves_a_thread_that_shares_its_cpu_on_heads_only() {
+        let interval = Duration::from_micros(400);
+        let heads = passed() + Duration::from_nanos(0x40);
+        let tails = passed() + Duration::from_nanos(0x80);
+        assert!(coin(heads) && !coin(tails));
+        let mut policy = SpinPolicy::new(DEFAULT_SPIN);
+        let no_idle_cpu = || false;
+        let idle_cpu = || true;
+
+        // The first look only takes the count.
+        assert!(!policy.look(heads, interval, Some(1_000), idle_cpu));
+        assert_eq!(policy.unstick_after, UNSTICK_AFTER);
+        // Queued 100 of 400 µs, heads, an idle CPU: move, and look later next time.
+        assert!(policy.look(heads, interval, Some(101_000), idle_cpu));
+        assert_eq!(policy.unstick_after, UNSTICK_AFTER * 2);
+        // Sharing, but tails: no move, same interval.
+        assert!(!policy.look(tails, interval, Some(201_000), idle_cpu));
+        assert_eq!(policy.unstick_after, UNSTICK_AFTER * 2);
+        // Sharing, heads, every CPU taken: no move, and later.
+        assert!(!policy.look(heads, interval, Some(301_000), no_idle_cpu));
+        assert_eq!(policy.unstick_after, UNSTICK_AFTER * 4);
+        for _ in 0..20 {
+            let queued = policy.queued_at_look.unwrap() + 200_000;
+            assert!(!policy.look(heads, interval, Some(queued), no_idle_cpu));
+        }
+        assert_eq!(policy.unstick_after, UNSTICK_AFTER_MAX);
+        // Queued less than a quarter: not shared, no move even on heads; the interval halves.
+        let queued = policy.queued_at_look.unwrap() + 99_000;
+        assert!(!policy.look(heads, interval, Some(queued), idle_cpu));
+        assert_eq!(policy.unstick_after, UNSTICK_AFTER_MAX / 2);
+        // Where the kernel keeps no count, nothing moves.
+        assert!(!policy.look(heads, interval, None, idle_cpu));
     }
 
     #[test]
