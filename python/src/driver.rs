@@ -1055,20 +1055,35 @@ impl CompiledDAGRef {
                 return loads(py, &v);
             }
         }
+        // Taken out for the wait (a clone would make the ref share its claim, an allocation
+        // per get), and put back if the ref stays valid: a timeout or a signal.
         let r = self
             .r
             .lock()
-            .clone()
+            .take()
             .ok_or_else(|| PyValueError::new_err(GOT_ONCE))?;
         let got = if self.asyncio {
             // A future of an asyncio graph, awaited from an executor's thread (asyncio's own
             // `wait_for` bounds it).
             py.allow_threads(|| pollster::block_on(std::future::IntoFuture::into_future(r)))
         } else {
-            wait_interruptibly(py, &r, timeout, self.default_timeout)?
+            match wait_interruptibly(py, &r, timeout, self.default_timeout) {
+                Ok(Err(
+                    e @ (Error::Timeout { .. }
+                    | Error::CapacityExceeded { .. }
+                    | Error::WrongMode { .. }),
+                )) => {
+                    *self.r.lock() = Some(r);
+                    Err(e)
+                }
+                Ok(got) => got,
+                Err(signal) => {
+                    *self.r.lock() = Some(r);
+                    return Err(signal);
+                }
+            }
         };
         let v = got.map_err(|e| to_py_err(py, e))?;
-        self.r.lock().take();
         loads(py, &v)
     }
 }
