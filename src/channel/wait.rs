@@ -50,6 +50,14 @@
 //! returns at once, or the sleeper is already queued on the futex and `futex_wake` wakes it.
 //! The fast path of a waker is one fence and one load: no syscall unless somebody sleeps.
 //!
+//! A waker in the sleepers' own process (an in-process channel, where every message notifies)
+//! may use [`WaitCell::notify_in_process`]: a compiler fence instead of its `SeqCst` one,
+//! because the sleeper, after its own fence, also makes every running thread of its process
+//! execute a full barrier (`membarrier`, [`asymmetric_fence`](crate::sync::asymmetric_fence)).
+//! The waker's load then either comes after that barrier and sees the registration, or its
+//! state change, made before the load, is visible to the sleeper's poll. A sleep costs the
+//! system call once more; it comes after the spin budget anyway.
+//!
 //! Under `cfg(loom)` the futex is modelled by a mutex and condition variable keyed by the word's
 //! address: `wait` returns at once if the word differs from the expected value, and otherwise
 //! blocks until a `wake` on the same word — with no timeout, so that a lost wake-up shows up as
@@ -455,17 +463,19 @@ impl WaitCell {
         mut poll: impl FnMut() -> Option<T>,
     ) -> Option<T> {
         self.sleepers.fetch_add(1, Ordering::Relaxed);
-        // Pairs with the fence in `notify`: see the module docs.
+        // Pairs with the fence in `notify` (see the module docs), and, for a notifier of this
+        // process, with the compiler fence of `notify_in_process`.
         fence(Ordering::SeqCst);
+        heavy_fence();
         let result = loop {
             let expected = self.event.load(Ordering::Acquire);
             if let Some(ready) = poll() {
                 break Some(ready);
             }
             let slice = match deadline {
-                None => SLEEP_SLICE,
+                None => sleep_slice(),
                 Some(deadline) => match deadline.checked_duration_since(Instant::now()) {
-                    Some(left) if !left.is_zero() => left.min(SLEEP_SLICE),
+                    Some(left) if !left.is_zero() => left.min(sleep_slice()),
                     _ => break None,
                 },
             };
@@ -485,12 +495,62 @@ impl WaitCell {
         }
     }
 
+    /// [`notify`](Self::notify) for a notifier in the sleepers' process (an in-process
+    /// channel): a compiler fence instead of the `SeqCst` one, paid for by the sleeper's
+    /// `membarrier` ([`asymmetric_fence`](crate::sync::asymmetric_fence)). Costs a plain load
+    /// when nobody sleeps. Never for a cell in shared memory: a sleeper in another process is
+    /// not covered.
+    pub(crate) fn notify_in_process(&self) {
+        light_fence();
+        if self.sleepers.load(Ordering::Relaxed) != 0 {
+            self.wake();
+        }
+    }
+
     /// Wakes every sleeper unconditionally (for `close`, which is rare and must not depend on
     /// the sleeper count of a peer that may have died).
     pub(crate) fn wake(&self) {
         self.event.fetch_add(1, Ordering::Release);
         futex::wake_all(&self.event);
     }
+}
+
+/// [`SLEEP_SLICE`], or in a test the slice its thread set: a stress test of the wake-up
+/// handshake makes it far longer than any wake-up, so that a lost one shows.
+#[cfg(not(all(test, not(loom))))]
+fn sleep_slice() -> Duration {
+    SLEEP_SLICE
+}
+
+#[cfg(all(test, not(loom)))]
+thread_local! {
+    static TEST_SLEEP_SLICE: std::cell::Cell<Duration> = const { std::cell::Cell::new(SLEEP_SLICE) };
+}
+
+#[cfg(all(test, not(loom)))]
+fn sleep_slice() -> Duration {
+    TEST_SLEEP_SLICE.with(std::cell::Cell::get)
+}
+
+/// The sleeper's side of [`WaitCell::notify_in_process`]: under loom a `SeqCst` fence, the
+/// symmetric handshake the model can check.
+#[cfg(not(loom))]
+fn heavy_fence() {
+    crate::sync::asymmetric_fence::heavy();
+}
+
+#[cfg(loom)]
+fn heavy_fence() {}
+
+/// The notifier's side of [`WaitCell::notify_in_process`].
+#[cfg(not(loom))]
+fn light_fence() {
+    crate::sync::asymmetric_fence::light();
+}
+
+#[cfg(loom)]
+fn light_fence() {
+    fence(Ordering::SeqCst);
 }
 
 /// Process-shared futex wait and wake on a word in memory.
@@ -599,6 +659,49 @@ mod tests {
     use super::watchdog::{WATCHDOG, with_watchdog};
     use super::*;
     use crate::sync::{Arc, AtomicU32};
+
+    /// The handshake of `notify_in_process` (module docs), run many times: the notifier
+    /// changes the state and notifies with only a compiler fence while the sleeper registers,
+    /// fences for the whole process and polls. A wake-up lost there leaves the sleeper asleep
+    /// until its deadline (its slice made longer than that): that round fails.
+    #[test]
+    fn a_sleeper_registering_while_an_in_process_notifier_changes_the_state_is_woken() {
+        const ROUNDS: u32 = 50_000;
+        let cell = Arc::new(WaitCell::default());
+        let state = Arc::new(AtomicU32::new(0));
+        let acked = Arc::new(AtomicU32::new(0));
+        let notifier = {
+            let (cell, state, acked) = (cell.clone(), state.clone(), acked.clone());
+            thread::spawn(move || {
+                let give_up = Instant::now() + Duration::from_secs(300);
+                for k in 1..=ROUNDS {
+                    while acked.load(Ordering::Acquire) != k - 1 {
+                        assert!(Instant::now() < give_up, "the sleeper stopped at round {k}");
+                        std::hint::spin_loop();
+                    }
+                    state.store(k, Ordering::Release);
+                    cell.notify_in_process();
+                }
+            })
+        };
+        TEST_SLEEP_SLICE.with(|slice| slice.set(Duration::from_secs(600)));
+        // No spin: every wait that finds nothing registers and sleeps at once.
+        let mut policy = SpinPolicy::new(Duration::ZERO);
+        for k in 1..=ROUNDS {
+            // A lost wake-up sleeps to the deadline, then finds the state changed.
+            let start = Instant::now();
+            let woken = cell.wait(&mut policy, Some(start + Duration::from_secs(20)), || {
+                (state.load(Ordering::Acquire) >= k).then_some(())
+            });
+            let took = start.elapsed();
+            assert!(
+                woken.is_some() && took < Duration::from_secs(10),
+                "round {k}: a wake-up was lost (the wait took {took:?})"
+            );
+            acked.store(k, Ordering::Release);
+        }
+        notifier.join().unwrap();
+    }
 
     #[test]
     fn wait_times_out_at_the_deadline() {

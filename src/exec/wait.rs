@@ -28,6 +28,7 @@ use super::timer::{TimerEntry, wake_at};
 use super::{CompiledGraph, GraphShared, IntoOutputs};
 use crate::compile::deadline_after;
 use crate::error::{Capacity, Error, Result};
+use crate::sync::asymmetric_fence as fence;
 use crate::value::Value;
 use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
@@ -40,42 +41,6 @@ use std::time::{Duration, Instant};
 
 /// Longest sleep of a waiting thread before it looks at the room again, whatever it was told.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
-
-/// The two sides of the asymmetric fence of the module docs.
-mod fence {
-    use rustix::thread::{MembarrierCommand, membarrier, membarrier_query};
-    use std::sync::OnceLock;
-    use std::sync::atomic::{Ordering, compiler_fence, fence};
-
-    /// Whether `membarrier(PRIVATE_EXPEDITED)` works in this process (registered once).
-    fn expedited() -> bool {
-        static READY: OnceLock<bool> = OnceLock::new();
-        *READY.get_or_init(|| {
-            membarrier_query().contains_command(MembarrierCommand::PrivateExpedited)
-                && membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok()
-        })
-    }
-
-    /// The notifier's side: between its change of the room and its look at the waiters.
-    #[inline]
-    pub(super) fn light() {
-        if expedited() {
-            compiler_fence(Ordering::SeqCst);
-        } else {
-            fence(Ordering::SeqCst);
-        }
-    }
-
-    /// The waiter's side: between its registration and its look at the room.
-    pub(super) fn heavy() {
-        if !expedited() || membarrier(MembarrierCommand::PrivateExpedited).is_err() {
-            // Refused after a successful registration (not seen): the waiter's own fence
-            // still orders its side, and its sleeps are sliced, so a notification missed
-            // costs at most one slice.
-            fence(Ordering::SeqCst);
-        }
-    }
-}
 
 /// The submitters of one graph waiting for room.
 pub(crate) struct SubmitWaiters {

@@ -95,7 +95,7 @@ impl<T: Send> ChannelWriter<T> for LocalTx<T> {
         });
         match sent {
             Some(Ok(())) => {
-                waits.data.notify();
+                waits.data.notify_in_process();
                 Ok(())
             }
             Some(Err(err)) => Err(err),
@@ -129,7 +129,7 @@ impl<T: Send> ChannelReader<T> for LocalRx<T> {
         });
         match got {
             Some(Ok(msg)) => {
-                waits.space.notify();
+                waits.space.notify_in_process();
                 Ok(msg)
             }
             Some(Err(err)) => Err(err),
