@@ -8,8 +8,8 @@
 //! and ends in a futex sleep. Hence three phases, as crossbeam's `Backoff` and rayon's sleep
 //! module do:
 //!
-//! 1. **spin**: one PAUSE at a time, polling after each, for [`PURE_SPIN`] (~2.5 µs: as many
-//!    PAUSEs as take that long on this CPU, [`pure_steps`]; a poll after every PAUSE sees a
+//! 1. **spin**: one PAUSE at a time, polling after each, for [`PURE_STEPS`] PAUSEs (~2.5 µs
+//!    where a PAUSE costs ~33 ns, ~1 µs where it costs 12 ns; a poll after every PAUSE sees a
 //!    result the moment it lands);
 //! 2. **spin and yield**: `sched_yield`, then chunks of 16 PAUSEs with polls, then yield again,
 //!    until the spin budget (a [`Duration`], [`DEFAULT_SPIN`] by default) has passed;
@@ -76,44 +76,11 @@ pub(crate) const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 /// least this often, so a peer that died without waking anybody cannot hang a waiter.
 const SLEEP_SLICE: Duration = Duration::from_millis(100);
 
-/// How long the pure-spin phase lasts.
-const PURE_SPIN: Duration = Duration::from_nanos(2_500);
-
-/// Polls of the pure-spin phase, one PAUSE before each: as many as take [`PURE_SPIN`] here,
-/// measured once per process. A PAUSE costs ~33 ns on the Skylake-era cores this was first
-/// tuned on (80 steps) and ~12 ns on this host's (Sapphire Rapids class), where 80 steps were
-/// 1 µs: a Python actor waiting ~1 µs for the driver's next input then ran past the pure spin
-/// into `sched_yield` (213 ns a call here) in most waits.
-#[cfg(not(loom))]
-fn pure_steps() -> u32 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static STEPS: AtomicU32 = AtomicU32::new(0);
-    match STEPS.load(Ordering::Relaxed) {
-        0 => {
-            // The fastest of three timings: the one least disturbed by an interrupt.
-            const PAUSES: u32 = 256;
-            let fastest = (0..3)
-                .map(|_| {
-                    let start = Instant::now();
-                    spin(PAUSES);
-                    start.elapsed()
-                })
-                .min()
-                .unwrap_or(PURE_SPIN);
-            let per_pause = (fastest.as_nanos() / u128::from(PAUSES)).max(1);
-            let steps = (PURE_SPIN.as_nanos() / per_pause).clamp(40, 400) as u32;
-            STEPS.store(steps, Ordering::Relaxed);
-            steps
-        }
-        steps => steps,
-    }
-}
-
-#[cfg(loom)]
-fn pure_steps() -> u32 {
-    let _ = PURE_SPIN;
-    80
-}
+/// Polls of the pure-spin phase, one PAUSE before each. A count, not a time: on a CPU whose
+/// PAUSE is short (12 ns here) the phase is short too. Stretched to 2.5 µs there, it saved a
+/// Python echo ~35 ns of yields but held the CPU longer where the threads outnumber the CPUs:
+/// `chain3/process` 5.48 → 6.89 µs, `chain3/hosts` 23.3 → 26.5 (6 alternating rounds).
+const PURE_STEPS: u32 = 80;
 
 /// PAUSEs per chunk once the doubling stops (`2^CHUNK_SHIFT`): ~0.5 µs between two polls.
 #[cfg(not(loom))]
@@ -167,7 +134,7 @@ pub(crate) fn passed() -> Instant {
 #[derive(Debug, Clone)]
 pub(crate) struct SpinPolicy {
     budget: Duration,
-    /// Pure-spin polls of the next wait: [`pure_steps`], or 0 after a wait that ended only
+    /// Pure-spin polls of the next wait: [`PURE_STEPS`], or 0 after a wait that ended only
     /// after a yield.
     pure_steps: u32,
     waits: u32,
@@ -185,7 +152,7 @@ impl SpinPolicy {
     pub(crate) fn new(budget: Duration) -> Self {
         Self {
             budget,
-            pure_steps: pure_steps(),
+            pure_steps: PURE_STEPS,
             waits: 0,
             yielding_since: None,
             queued_at_look: None,
@@ -198,7 +165,7 @@ impl SpinPolicy {
         let pure_steps = if self.budget.is_zero() {
             0
         } else if self.waits.is_multiple_of(PROBE_EVERY) {
-            pure_steps()
+            PURE_STEPS
         } else {
             self.pure_steps
         };
@@ -261,7 +228,7 @@ impl SpinPolicy {
                 self.yielding_since = Some(Instant::now());
             }
         } else {
-            self.pure_steps = pure_steps();
+            self.pure_steps = PURE_STEPS;
             self.end_run_of_yields();
         }
     }
@@ -731,7 +698,7 @@ mod tests {
                 (*polls > n).then_some(())
             };
             cell.wait(&mut policy, None, || {
-                ready_after(&mut polls, pure_steps() + 1)
+                ready_after(&mut polls, PURE_STEPS + 1)
             });
             assert_eq!(policy.pure_steps, 0);
             for wait in 2..PROBE_EVERY {
@@ -740,7 +707,7 @@ mod tests {
             // The probe spins first; answered while spinning, it restores the spin.
             polls = 0;
             cell.wait(&mut policy, None, || ready_after(&mut polls, 2));
-            assert_eq!(policy.pure_steps, pure_steps());
+            assert_eq!(policy.pure_steps, PURE_STEPS);
         });
     }
 
@@ -761,7 +728,7 @@ mod tests {
                 }
             };
             // Answered right after the first yield (the pure spins' polls, then one more).
-            cell.wait(&mut policy, None, ready_after(pure_steps() + 1));
+            cell.wait(&mut policy, None, ready_after(PURE_STEPS + 1));
             let began = policy.yielding_since.expect("a run of yields began");
             // Within the interval nothing is looked at.
             assert!(!policy.backoff().unstick);
@@ -789,7 +756,7 @@ mod tests {
             assert_eq!(policy.yielding_since, None);
             // So does a wait answered while spinning (one that spins first, as a probe does).
             policy.yielding_since = Some(began);
-            policy.pure_steps = pure_steps();
+            policy.pure_steps = PURE_STEPS;
             cell.wait(&mut policy, None, ready_after(2));
             assert_eq!(policy.yielding_since, None);
         });
