@@ -311,6 +311,31 @@ impl Error {
         }
     }
 
+    /// Whether a ref's `get` or `get_timeout` that failed with this error left the ref
+    /// usable: nothing was claimed (the wait timed out, there was no room to read its
+    /// execution, or the graph's mode calls for the other way of waiting), so a later call
+    /// may still return the result. After any other error the result is gone.
+    ///
+    /// ```
+    /// use adag::Error;
+    /// use std::time::Duration;
+    ///
+    /// let timeout = Error::Timeout {
+    ///     what: "execution 3's result".into(),
+    ///     timeout: Duration::from_millis(5),
+    ///     hint: String::new(),
+    /// };
+    /// assert!(timeout.ref_stays_usable());
+    /// let claimed = Error::AlreadyClaimed { execution: 3, output: 0 };
+    /// assert!(!claimed.ref_stays_usable());
+    /// ```
+    pub fn ref_stays_usable(&self) -> bool {
+        matches!(
+            self,
+            Error::Timeout { .. } | Error::CapacityExceeded { .. } | Error::WrongMode { .. }
+        )
+    }
+
     /// Every problem of a compile error (empty for other errors).
     pub fn compile_problems(&self) -> &[CompileProblem] {
         match self {

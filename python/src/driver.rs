@@ -1068,11 +1068,7 @@ impl CompiledDAGRef {
             py.allow_threads(|| pollster::block_on(std::future::IntoFuture::into_future(r)))
         } else {
             match wait_interruptibly(py, &r, timeout, self.default_timeout) {
-                Ok(Err(
-                    e @ (Error::Timeout { .. }
-                    | Error::CapacityExceeded { .. }
-                    | Error::WrongMode { .. }),
-                )) => {
+                Ok(Err(e)) if e.ref_stays_usable() => {
                     *self.r.lock() = Some(r);
                     Err(e)
                 }

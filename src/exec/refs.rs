@@ -292,12 +292,7 @@ impl<T: Value> CompiledRef<T> {
             Ok(v) => v,
             Err(e) => {
                 let e = place.settled(e);
-                if matches!(
-                    e,
-                    Error::Timeout { .. }
-                        | Error::CapacityExceeded { .. }
-                        | Error::WrongMode { .. }
-                ) {
+                if e.ref_stays_usable() {
                     self.claim.give_back();
                 }
                 return Err(e);
