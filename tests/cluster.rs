@@ -519,3 +519,29 @@ fn a_host_keeps_trying_for_adag_join_timeout_then_gives_up() {
         "{took:?}"
     );
 }
+
+/// A join the driver's port drops before answering (as it drops the oldest unproven
+/// connection when strangers fill its room) is tried again until the join window ends: the
+/// host joins once a driver answers on that address.
+#[test]
+fn a_join_dropped_before_its_answer_is_tried_again() {
+    use std::net::TcpListener;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut hosts = LocalHosts::start(1, addr, SECRET).unwrap();
+    // Two joins dropped unanswered, after their greeting.
+    for _ in 0..2 {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut hello = [0u8; 44];
+        s.read_exact(&mut hello).unwrap();
+        assert_eq!(&hello[..8], b"adagjoin");
+    }
+    drop(listener);
+    // Then a driver on the same address: the host keeps trying and joins it.
+    let rt = Runtime::new().unwrap();
+    rt.listen(options().addr(addr)).unwrap();
+    assert_eq!(rt.wait_for_hosts(1, JOIN_TIMEOUT).unwrap().len(), 1);
+    drop(rt);
+    assert_eq!(hosts.wait(0).unwrap(), Some(0));
+}

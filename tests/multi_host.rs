@@ -111,6 +111,69 @@ fn idle_strangers_on_data_ports_do_not_stop_compiles() {
     }
 }
 
+/// What strangers on the driver's listen port do before a host with the secret joins.
+#[derive(Clone, Copy, Debug)]
+enum Stranger {
+    /// Connect and say nothing.
+    Idle,
+    /// Send the join's magic and half of its version, then stall.
+    Stalled,
+}
+
+/// The measured attack on the listen port: 200 connections held open from the joining host's
+/// own address (127.0.0.1) used to take every place the driver kept for joins, so a host with
+/// the right secret timed out (`2 hosts to join (1 joined)`). Now it joins within 5 s, and
+/// every stranger is closed within 10 s.
+fn strangers_on_the_listen_port_do_not_keep_a_host_out(kind: Stranger) {
+    use std::io::{ErrorKind, Read, Write};
+    let rt = Runtime::new().unwrap();
+    let addr = rt.listen(ClusterOptions::new(SECRET)).unwrap();
+    let started = Instant::now();
+    let mut strangers = Vec::new();
+    for _ in 0..200 {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        if let Stranger::Stalled = kind {
+            s.write_all(b"adagjoin\x04\x00").unwrap();
+        }
+        strangers.push(s);
+    }
+    let joining = Instant::now();
+    let mut hosts = LocalHosts::start(1, addr, SECRET).unwrap();
+    let joined = rt
+        .wait_for_hosts(1, Duration::from_secs(5))
+        .unwrap_or_else(|e| panic!("{kind:?}: with 200 strangers held open: {e}"));
+    assert_eq!(joined.len(), 1);
+    eprintln!("{kind:?}: joined in {:?}", joining.elapsed());
+    // Every stranger is closed (a read ends: closed or reset) within 10 s of connecting.
+    for (i, s) in strangers.iter_mut().enumerate() {
+        let left = (started + Duration::from_secs(10)).saturating_duration_since(Instant::now());
+        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .unwrap();
+        let mut rest = [0u8; 64];
+        match s.read(&mut rest) {
+            Ok(0) => {}
+            Err(e) if !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            other => panic!(
+                "{kind:?}: stranger {i} still open {:?} after connecting: {other:?}",
+                started.elapsed()
+            ),
+        }
+    }
+    let pid = hosts.pids()[0];
+    drop(rt);
+    assert_eq!(hosts.wait(0).unwrap(), Some(0), "agent {pid} left cleanly");
+}
+
+#[test]
+fn idle_strangers_on_the_listen_port_do_not_keep_a_host_out() {
+    strangers_on_the_listen_port_do_not_keep_a_host_out(Stranger::Idle);
+}
+
+#[test]
+fn stalled_handshakes_on_the_listen_port_do_not_keep_a_host_out() {
+    strangers_on_the_listen_port_do_not_keep_a_host_out(Stranger::Stalled);
+}
+
 /// A chain over three hosts, executed one at a time and pipelined.
 #[test]
 fn a_chain_over_three_hosts() {

@@ -201,9 +201,9 @@ fn host_name() -> String {
         .into_owned()
 }
 
-fn connect(join: &str) -> Result<TcpStream, String> {
-    let window = join_timeout()?;
-    let until = Instant::now() + window;
+/// Connects to the driver at `join`, trying again until `until` while it does not listen (or
+/// its name does not resolve yet).
+fn connect(join: &str, until: Instant) -> Result<TcpStream, String> {
     let mut last = String::new();
     let mut attempts = 0u32;
     loop {
@@ -238,8 +238,64 @@ fn connect(join: &str) -> Result<TcpStream, String> {
         std::thread::sleep(CONNECT_PAUSE);
     }
     Err(format!(
-        "cannot reach the driver at {join} after {attempts} attempts over {window:?} ({last}); is the driver listening there? ({ENV_JOIN_TIMEOUT} sets how long to keep trying)"
+        "cannot reach the driver at {join} after {attempts} attempts ({last}); is the driver listening there? ({ENV_JOIN_TIMEOUT} sets how long to keep trying)"
     ))
+}
+
+/// Whether a join's handshake failed because the driver's port dropped the connection before
+/// answering (it drops the oldest unproven connection when strangers fill its room, and any
+/// that is slow to prove itself): worth another try. A wrong secret or another protocol
+/// version is not.
+fn dropped_by_the_port(e: &WireError) -> bool {
+    matches!(e, WireError::Io(err) if matches!(
+        err.kind(),
+        io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::WouldBlock
+            | io::ErrorKind::TimedOut
+    ))
+}
+
+/// Connects and proves this host knows the secret, within the join window: a connection the
+/// driver's port dropped unanswered is tried again (said once on stderr), with growing pauses.
+fn join_driver(join: &str, token: &str) -> Result<TcpStream, String> {
+    let window = join_timeout()?;
+    let started = Instant::now();
+    let until = started + window;
+    let mut pause = Duration::from_millis(20);
+    let mut dropped = 0u32;
+    loop {
+        let mut stream = connect(join, until)?;
+        stream.set_nodelay(true).map_err(|e| e.to_string())?;
+        match wire::agent_handshake(&mut stream, token.as_bytes()) {
+            Ok(()) => return Ok(stream),
+            Err(e) if dropped_by_the_port(&e) => {
+                let e = match &e {
+                    WireError::Io(err) if err.kind() == io::ErrorKind::UnexpectedEof => {
+                        "it closed the connection".to_string()
+                    }
+                    other => other.to_string(),
+                };
+                dropped += 1;
+                if dropped == 1 {
+                    eprintln!(
+                        "adag agent: the driver at {join} dropped the join before answering ({e}); its listen port drops unproven connections when many are held open: trying again for up to {window:?} ({ENV_JOIN_TIMEOUT})"
+                    );
+                }
+                if Instant::now() + pause >= until {
+                    return Err(format!(
+                        "joining {join}: the driver's port dropped every attempt before answering ({dropped} attempts over {:.1?}; the last: {e}); is its listen port flooded with connections from elsewhere? ({ENV_JOIN_TIMEOUT} sets how long to keep trying)",
+                        started.elapsed()
+                    ));
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(CONNECT_PAUSE);
+            }
+            Err(e) => return Err(format!("joining {join}: {e}")),
+        }
+    }
 }
 
 fn run(join: &str, make: MakeServices) -> Result<(), String> {
@@ -247,10 +303,7 @@ fn run(join: &str, make: MakeServices) -> Result<(), String> {
         .ok()
         .filter(|t| !t.is_empty())
         .ok_or_else(|| format!("{ENV_JOIN} is set but {ENV_TOKEN} is not: set the driver's shared secret in {ENV_TOKEN}"))?;
-    let mut stream = connect(join)?;
-    stream.set_nodelay(true).map_err(|e| e.to_string())?;
-    wire::agent_handshake(&mut stream, token.as_bytes())
-        .map_err(|e| format!("joining {join}: {e}"))?;
+    let mut stream = join_driver(join, &token)?;
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let local_ip = stream.local_addr().map_err(|e| e.to_string())?.ip();
     let driver_ip = stream.peer_addr().map_err(|e| e.to_string())?.ip();

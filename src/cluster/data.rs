@@ -15,34 +15,24 @@
 //!
 //! # Strangers cannot jam the port
 //!
-//! Connections still proving themselves cost a file descriptor and a few bytes, not a thread:
-//! one thread per port reads every pending handshake as its bytes arrive (`poll`). A
-//! connection that has not proved itself within [`PRE_AUTH_DEADLINE`] is dropped, and when
-//! too many are pending (in all, or from one address), the oldest one of the address holding
-//! the most makes room. A stranger can therefore never hold a place: a peer that knows the
-//! secret proves itself within a round trip, long before a flood could push it out, and the
-//! driver's and the other hosts' connections are never the ones dropped while a single
-//! address floods the port. The writing side retries a refused or cut handshake until the
+//! The port's door is the cluster's one ([`super::gate`]): pending handshakes cost a file
+//! descriptor, not a thread, are dropped past the pre-authentication deadline, and the oldest
+//! of the busiest address makes room when too many are pending, so a peer that knows the
+//! secret always gets through. The writing side retries a refused or cut handshake until the
 //! install's deadline.
+use super::gate::{self, Doorman, PRE_AUTH_DEADLINE, Step};
 use super::wire::{HmacSha256, NONCE, PROOF, fresh_nonce, keyed_proof};
 use hmac::Mac;
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// The first bytes a data port sends.
 pub(crate) const DATA_MAGIC: &[u8; 8] = b"adagdata";
-/// How long a connection has, from its accept, to prove it knows the secret: a peer that
-/// does answers within a round trip or two, even across continents.
-pub(crate) const PRE_AUTH_DEADLINE: Duration = Duration::from_secs(2);
-/// Connections still proving themselves, in all and from one address; past either bound the
-/// oldest of the address holding the most is dropped.
-const MAX_PENDING: usize = 512;
-const MAX_PENDING_PER_ADDRESS: usize = 64;
 /// A connection nobody claimed within this long (its graph failed to install) is dropped.
 const UNCLAIMED_FOR: Duration = Duration::from_secs(120);
 /// Graphs whose install was abandoned, remembered so that a host still waiting for one of
@@ -50,10 +40,6 @@ const UNCLAIMED_FOR: Duration = Duration::from_secs(120);
 const ABANDONED_KEPT: usize = 1024;
 /// The bytes the writing side sends: graph, channel, its nonce and its proof.
 const CLAIM: usize = 16 + NONCE + PROOF;
-/// How often the port looks at its stop flag and its deadlines while nothing arrives.
-const TICK: Duration = Duration::from_millis(200);
-/// How often a count of dropped strangers is logged, at most.
-const REPORT_EVERY: Duration = Duration::from_secs(10);
 
 /// The proof of one side of a data connection: the join's keyed proof, in its own domain, over
 /// the role, both nonces, the graph and the channel.
@@ -113,7 +99,7 @@ impl DataPlane {
         let weak = Arc::downgrade(&plane);
         std::thread::Builder::new()
             .name("adag-data-accept".into())
-            .spawn(move || Gate::new(listener).run(&weak))?;
+            .spawn(move || gate::run(listener, &weak))?;
         Ok(plane)
     }
 
@@ -307,271 +293,90 @@ fn connect_once(
     Ok(stream)
 }
 
-/// A connection still proving itself.
-struct Pending {
-    stream: TcpStream,
-    peer: SocketAddr,
-    since: Instant,
+/// A data connection's handshake so far, on the port's side.
+pub(crate) struct Claim {
     nonce_r: [u8; NONCE],
     claim: [u8; CLAIM],
     got: usize,
 }
 
-/// What became of a pending connection after its bytes were read.
-enum Step {
-    Waiting,
-    Proved(u64, u64),
-    Refused(String),
-    WrongProof,
-}
+impl Doorman for DataPlane {
+    type Progress = Claim;
+    /// The graph, the channel and the port's own proof to answer with.
+    type Proved = (u64, u64, [u8; PROOF]);
+    const WHAT: &'static str = "data connections";
 
-/// The port's one thread: accepts, reads every pending handshake as its bytes come, files
-/// the connections that prove themselves and drops the others.
-struct Gate {
-    listener: TcpListener,
-    pending: Vec<Pending>,
-    dropped: usize,
-    last_dropped: Option<SocketAddr>,
-    reported: Instant,
-}
-
-impl Gate {
-    fn new(listener: TcpListener) -> Gate {
-        Gate {
-            listener,
-            pending: Vec::new(),
-            dropped: 0,
-            last_dropped: None,
-            reported: Instant::now(),
-        }
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
     }
 
-    fn run(mut self, plane: &std::sync::Weak<DataPlane>) {
-        use rustix::event::{PollFd, PollFlags, Timespec};
-        loop {
-            let Some(p) = plane.upgrade() else { return };
-            if p.stop.load(Ordering::Acquire) {
-                return;
-            }
-            let now = Instant::now();
-            let wait = self
-                .pending
-                .iter()
-                .map(|c| (c.since + PRE_AUTH_DEADLINE).saturating_duration_since(now))
-                .fold(TICK, Duration::min)
-                .max(Duration::from_millis(1));
-            let ready: Vec<bool> = {
-                let mut fds = Vec::with_capacity(1 + self.pending.len());
-                fds.push(PollFd::new(&self.listener, PollFlags::IN));
-                fds.extend(
-                    self.pending
-                        .iter()
-                        .map(|c| PollFd::new(&c.stream, PollFlags::IN)),
-                );
-                let timeout = Timespec {
-                    tv_sec: wait.as_secs() as i64,
-                    tv_nsec: i64::from(wait.subsec_nanos()),
-                };
-                match rustix::event::poll(&mut fds, Some(&timeout)) {
-                    Ok(n) if n > 0 => fds.iter().map(|f| !f.revents().is_empty()).collect(),
-                    _ => Vec::new(),
-                }
-            };
-            if !ready.is_empty() {
-                // Reads first (they only shrink the list), then accepts (they grow it).
-                for i in (0..self.pending.len()).rev() {
-                    if ready[i + 1] {
-                        self.advance(i, &p);
-                    }
-                }
-                if ready[0] {
-                    self.accept_all(&p);
-                }
-            }
-            self.expire();
-            self.report();
-        }
-    }
-
-    fn accept_all(&mut self, plane: &DataPlane) {
-        loop {
-            let (stream, peer) = match self.listener.accept() {
-                Ok(c) => c,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) => {
-                    // Out of descriptors, a connection reset before it was accepted: the
-                    // next round tries again.
-                    tracing::debug!(error = %e, "accepting a data connection failed");
-                    return;
-                }
-            };
-            match Self::greet(stream, peer) {
-                Ok(c) => {
-                    self.make_room(peer.ip());
-                    self.pending.push(c);
-                }
-                Err(e) => tracing::debug!(%peer, error = %e, "greeting a data connection failed"),
-            }
-            if plane.stop.load(Ordering::Acquire) {
-                return;
-            }
-        }
-    }
-
-    /// Sends the port's greeting: the magic and a fresh nonce (a new socket's buffer always
-    /// has room for them).
-    fn greet(stream: TcpStream, peer: SocketAddr) -> io::Result<Pending> {
-        stream.set_nonblocking(true)?;
-        stream.set_nodelay(true)?;
+    /// The magic and a fresh nonce.
+    fn greet(&self, stream: &TcpStream) -> io::Result<Claim> {
         let nonce_r = nonce()?;
         let mut hello = [0u8; 8 + NONCE];
         hello[..8].copy_from_slice(DATA_MAGIC);
         hello[8..].copy_from_slice(&nonce_r);
-        if (&stream).write(&hello)? != hello.len() {
+        if (&*stream).write(&hello)? != hello.len() {
             return Err(io::Error::other("the greeting did not fit the new socket"));
         }
-        Ok(Pending {
-            stream,
-            peer,
-            since: Instant::now(),
+        Ok(Claim {
             nonce_r,
             claim: [0; CLAIM],
             got: 0,
         })
     }
 
-    /// Drops the oldest pending connection of `incoming`'s address when that address is at
-    /// its bound, else of the address holding the most when all are.
-    fn make_room(&mut self, incoming: IpAddr) {
-        let mut per_address: HashMap<IpAddr, usize> = HashMap::new();
-        for c in &self.pending {
-            *per_address.entry(c.peer.ip()).or_default() += 1;
-        }
-        let victim = if per_address.get(&incoming).copied().unwrap_or(0) >= MAX_PENDING_PER_ADDRESS
-        {
-            Some(incoming)
-        } else if self.pending.len() >= MAX_PENDING {
-            per_address
-                .into_iter()
-                .max_by_key(|(_, n)| *n)
-                .map(|(ip, _)| ip)
-        } else {
-            None
-        };
-        if let Some(ip) = victim
-            && let Some(oldest) = self.pending.iter().position(|c| c.peer.ip() == ip)
-        {
-            let c = self.pending.remove(oldest);
-            self.note_dropped(c.peer);
-        }
-    }
-
-    fn advance(&mut self, i: usize, plane: &DataPlane) {
-        match Self::read_claim(&mut self.pending[i], &plane.secret) {
-            Step::Waiting => {}
-            Step::Proved(graph, chan) => {
-                let c = self.pending.swap_remove(i);
-                match Self::finish(&c, &plane.secret, graph, chan) {
-                    Ok(()) => plane.file(graph, chan, c.stream),
-                    Err(e) => {
-                        tracing::warn!(peer = %c.peer, error = %e, "data connection lost while answering its proof")
-                    }
-                }
+    fn advance(&self, c: &mut Claim, stream: &TcpStream) -> Step<Self::Proved> {
+        match gate::read_some(stream, &mut c.claim, &mut c.got) {
+            Ok(false) => return Step::Waiting,
+            Ok(true) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                return Step::Refused(format!(
+                    "it closed the connection after {} of the handshake's {CLAIM} bytes",
+                    c.got
+                ));
             }
-            Step::Refused(why) => {
-                let c = self.pending.swap_remove(i);
-                tracing::warn!(peer = %c.peer, reason = %why, "data connection refused");
-            }
-            Step::WrongProof => {
-                let c = self.pending.swap_remove(i);
-                // An answer no proof can equal: the writer learns the port is not its
-                // cluster's (and does not retry), rather than seeing the connection cut.
-                let _ = (&c.stream).write(&[0u8; PROOF]);
-                tracing::warn!(
-                    peer = %c.peer,
-                    reason = "it did not prove it knows the cluster's secret (a different ADAG_TOKEN?)",
-                    "data connection refused"
-                );
-            }
-        }
-    }
-
-    fn read_claim(c: &mut Pending, secret: &[u8]) -> Step {
-        loop {
-            match (&c.stream).read(&mut c.claim[c.got..]) {
-                Ok(0) => {
-                    return Step::Refused(format!(
-                        "it closed the connection after {} of the handshake's {CLAIM} bytes",
-                        c.got
-                    ));
-                }
-                Ok(n) => {
-                    c.got += n;
-                    if c.got == CLAIM {
-                        break;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Step::Waiting,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Step::Refused(format!("reading its handshake failed: {e}")),
-            }
+            Err(e) => return Step::Refused(format!("reading its handshake failed: {e}")),
         }
         let graph = u64::from_le_bytes(c.claim[..8].try_into().expect("8 bytes"));
         let chan = u64::from_le_bytes(c.claim[8..16].try_into().expect("8 bytes"));
         let nonce_w = &c.claim[16..16 + NONCE];
-        match proof(secret, b"writer", &c.nonce_r, nonce_w, graph, chan)
+        if proof(&self.secret, b"writer", &c.nonce_r, nonce_w, graph, chan)
             .verify_slice(&c.claim[16 + NONCE..])
+            .is_err()
         {
-            Ok(()) => Step::Proved(graph, chan),
-            Err(_) => Step::WrongProof,
-        }
-    }
-
-    /// Answers a proved connection with the port's own proof and hands it over blocking.
-    fn finish(c: &Pending, secret: &[u8], graph: u64, chan: u64) -> io::Result<()> {
-        let nonce_w = &c.claim[16..16 + NONCE];
-        let mine = proof(secret, b"reader", &c.nonce_r, nonce_w, graph, chan)
-            .finalize()
-            .into_bytes();
-        c.stream.set_nonblocking(false)?;
-        c.stream.set_write_timeout(Some(PRE_AUTH_DEADLINE))?;
-        (&c.stream).write_all(&mine)?;
-        c.stream.set_write_timeout(None)
-    }
-
-    fn expire(&mut self) {
-        let now = Instant::now();
-        let mut i = 0;
-        while i < self.pending.len() {
-            if now.duration_since(self.pending[i].since) >= PRE_AUTH_DEADLINE {
-                let c = self.pending.swap_remove(i);
-                self.note_dropped(c.peer);
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    fn note_dropped(&mut self, peer: SocketAddr) {
-        self.dropped += 1;
-        self.last_dropped = Some(peer);
-    }
-
-    /// Logs, at most once per [`REPORT_EVERY`], how many connections were dropped unproven
-    /// (one line a flood, not one line a connection).
-    fn report(&mut self) {
-        if self.dropped == 0 || self.reported.elapsed() < REPORT_EVERY {
-            return;
-        }
-        if let Some(peer) = self.last_dropped.take() {
-            tracing::warn!(
-                dropped = self.dropped,
-                last_peer = %peer,
-                "data connections dropped before proving they know the cluster's secret (silent past {PRE_AUTH_DEADLINE:?}, or pushed out by a flood)"
+            // An answer no proof can equal: the writer learns the port is not its cluster's
+            // (and does not retry), rather than seeing the connection cut.
+            let _ = (&*stream).write(&[0u8; PROOF]);
+            return Step::Refused(
+                "it did not prove it knows the cluster's secret (a different ADAG_TOKEN?)".into(),
             );
         }
-        self.dropped = 0;
-        self.reported = Instant::now();
+        let mine = proof(&self.secret, b"reader", &c.nonce_r, nonce_w, graph, chan)
+            .finalize()
+            .into_bytes()
+            .into();
+        Step::Proved((graph, chan, mine))
+    }
+
+    /// Answers with the port's own proof and files the connection, blocking.
+    fn proved(
+        self: &Arc<Self>,
+        stream: TcpStream,
+        peer: SocketAddr,
+        (graph, chan, mine): Self::Proved,
+    ) {
+        let answered = stream
+            .set_nonblocking(false)
+            .and_then(|()| stream.set_write_timeout(Some(PRE_AUTH_DEADLINE)))
+            .and_then(|()| (&stream).write_all(&mine))
+            .and_then(|()| stream.set_write_timeout(None));
+        match answered {
+            Ok(()) => self.file(graph, chan, stream),
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "data connection lost while answering its proof")
+            }
+        }
     }
 }
 

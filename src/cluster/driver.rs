@@ -2,6 +2,7 @@
 //! of hosts and a heartbeat with each, and marks a host lost when its connection closes or
 //! falls silent past the heartbeat timeout.
 use super::data::DataPlane;
+use super::gate::{self, Doorman, Step};
 use super::wire::{
     self, AgentReply, AgentRequest, Hello, RemoteFailure, ToAgent, ToDriver, WireError,
 };
@@ -90,7 +91,7 @@ impl ClusterDriver {
         let addr = listener
             .local_addr()
             .map_err(|e| Error::io("reading the listener's address", e))?;
-        // Polled, so that the accept loop sees `stop` without a connection to wake it.
+        // Polled by the port's door (`gate`), with every pending handshake.
         listener
             .set_nonblocking(true)
             .map_err(|e| Error::io("setting up the listener", e))?;
@@ -114,7 +115,7 @@ impl ClusterDriver {
         let weak = Arc::downgrade(&driver);
         std::thread::Builder::new()
             .name("adag-cluster-accept".into())
-            .spawn(move || accept_loop(listener, weak))
+            .spawn(move || gate::run(listener, &weak))
             .map_err(|e| Error::io("starting the cluster's accept thread", e))?;
         let weak = Arc::downgrade(&driver);
         let interval = driver.opts.heartbeat_interval;
@@ -476,10 +477,11 @@ impl ClusterDriver {
         }
     }
 
-    /// Authenticate one connection and add its host.
+    /// Add the host of a connection that proved it knows the secret.
     fn admit(self: &Arc<Self>, mut stream: TcpStream, peer: SocketAddr) -> Result<(), WireError> {
-        stream.set_nodelay(true)?;
-        wire::driver_handshake(&mut stream, self.opts.token.as_bytes())?;
+        stream.set_nonblocking(false)?;
+        stream.set_read_timeout(Some(wire::HANDSHAKE_TIMEOUT))?;
+        stream.set_write_timeout(Some(wire::HANDSHAKE_TIMEOUT))?;
         let hello: Hello = wire::read_frame(&mut stream)?;
         let (id, host_name) = {
             let mut state = self.state.lock();
@@ -637,72 +639,41 @@ impl Drop for ClusterDriver {
     }
 }
 
-/// Joins checked at once, in all and from one address: past either a new connection is
-/// refused at once (and logged), so that strangers cost the driver no more than this many
-/// threads, each for at most the handshake's timeout.
-const MAX_JOINING: usize = 256;
-const MAX_JOINING_PER_ADDRESS: usize = 32;
+impl Doorman for ClusterDriver {
+    type Progress = wire::JoinCheck;
+    type Proved = ();
+    const WHAT: &'static str = "joins";
 
-/// A join from `ip` is over (admitted or refused): it no longer counts against the bounds.
-fn joined_or_refused(joining: &Mutex<HashMap<std::net::IpAddr, usize>>, ip: std::net::IpAddr) {
-    let mut joining = joining.lock();
-    if let Some(n) = joining.get_mut(&ip) {
-        *n -= 1;
-        if *n == 0 {
-            joining.remove(&ip);
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    /// Nothing: the agent speaks first.
+    fn greet(&self, _stream: &TcpStream) -> std::io::Result<wire::JoinCheck> {
+        Ok(wire::JoinCheck::default())
+    }
+
+    fn advance(&self, check: &mut wire::JoinCheck, stream: &TcpStream) -> Step<()> {
+        match check.advance(stream, self.opts.token.as_bytes()) {
+            Ok(false) => Step::Waiting,
+            Ok(true) => Step::Proved(()),
+            Err(e) => Step::Refused(e.to_string()),
         }
     }
-}
 
-fn accept_loop(listener: TcpListener, driver: std::sync::Weak<ClusterDriver>) {
-    let joining: Arc<Mutex<HashMap<std::net::IpAddr, usize>>> = Arc::default();
-    loop {
-        let Some(d) = driver.upgrade() else { return };
-        if d.stop.load(Ordering::Acquire) {
-            return;
-        }
-        match listener.accept() {
-            Ok((stream, peer)) => {
-                {
-                    let mut joining = joining.lock();
-                    let total: usize = joining.values().sum();
-                    let here = joining.entry(peer.ip()).or_default();
-                    if total >= MAX_JOINING || *here >= MAX_JOINING_PER_ADDRESS {
-                        tracing::warn!(
-                            %peer,
-                            reason = "too many joins in progress at once (from this address, or in all)",
-                            "join refused"
-                        );
-                        continue;
-                    }
-                    *here += 1;
+    /// The rest of a proved join (its `Hello`, the welcome) on a thread of its own: the peer
+    /// knows the secret, and its reads are bounded by the handshake's timeout.
+    fn proved(self: &Arc<Self>, stream: TcpStream, peer: SocketAddr, (): ()) {
+        let d = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("adag-cluster-join".into())
+            .spawn(move || {
+                if let Err(e) = d.admit(stream, peer) {
+                    tracing::warn!(%peer, reason = %e, "join refused");
                 }
-                // Each join is checked on a thread of its own, so that a slow or hostile
-                // peer never holds up the others (its handshake is bounded in time).
-                let (d, counts) = (d.clone(), joining.clone());
-                let spawned = std::thread::Builder::new()
-                    .name("adag-cluster-join".into())
-                    .spawn(move || {
-                        let _ = stream.set_nonblocking(false);
-                        if let Err(e) = d.admit(stream, peer) {
-                            tracing::warn!(%peer, reason = %e, "join refused");
-                        }
-                        joined_or_refused(&counts, peer.ip());
-                    });
-                if spawned.is_err() {
-                    tracing::warn!(%peer, reason = "no thread to check it", "join refused");
-                    joined_or_refused(&joining, peer.ip());
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                drop(d);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "accepting a connection failed");
-                drop(d);
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(%peer, reason = %e, "join refused: no thread to finish it");
         }
     }
 }

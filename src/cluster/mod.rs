@@ -34,6 +34,7 @@ pub(crate) mod agent;
 mod clock;
 pub(crate) mod data;
 pub(crate) mod driver;
+mod gate;
 mod launch;
 pub(crate) mod wire;
 

@@ -13,9 +13,9 @@
 //!
 //! The agent checks the driver's proof before it proves anything itself (a process that
 //! does not know the secret learns nothing it can replay: both nonces are fresh). A connection
-//! whose first bytes are not the magic, or that does not finish the handshake within
-//! [`HANDSHAKE_TIMEOUT`], is dropped. Frames longer than [`MAX_FRAME`] are refused without
-//! being read.
+//! whose first bytes are not the magic, or that does not prove itself within the port's
+//! pre-authentication deadline ([`super::gate`]), is dropped. Frames longer than
+//! [`MAX_FRAME`] are refused without being read.
 use hmac::{Hmac, KeyInit, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
@@ -243,6 +243,10 @@ pub(crate) fn agent_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<(
     stream.write_all(&hello)?;
     let mut reply = [0u8; NONCE + PROOF];
     stream.read_exact(&mut reply)?;
+    if &reply[..8] == OTHER_VERSION {
+        let driver = u32::from_le_bytes(reply[8..12].try_into().expect("4 bytes"));
+        return Err(WireError::Version { theirs: driver });
+    }
     let (nonce_b, driver_proof) = reply.split_at(NONCE);
     proof(secret, b"driver", &nonce_a, nonce_b)
         .verify_slice(driver_proof)
@@ -258,46 +262,95 @@ pub(crate) fn agent_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<(
     Ok(())
 }
 
-/// The driver's side of the handshake: checks the magic, the version and the agent's proof.
-/// Each failure says which step failed and what that means (a peer that closes the
-/// connection instead of proving itself is an agent with another secret: it checks the
-/// driver's proof first and leaves).
-pub(crate) fn driver_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<(), WireError> {
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    let mut hello = [0u8; 8 + 4 + NONCE];
-    // The magic first, on its own: a stranger is dropped after 8 bytes.
-    stream
-        .read_exact(&mut hello[..MAGIC.len()])
-        .map_err(refused(
-            "before sending the join's first bytes (a port scan or a health check?)",
-        ))?;
-    if &hello[..MAGIC.len()] != MAGIC {
-        return Err(WireError::NotAdag(hello[..MAGIC.len()].to_vec()));
+/// What a driver answers, in place of its nonce and proof, to an agent of another protocol
+/// version: this marker, then its own version (u32 LE), zero-padded to the answer's length. The
+/// agent stops at once, naming both versions, rather than retrying a join that cannot succeed.
+const OTHER_VERSION: &[u8; 8] = b"adagvers";
+
+/// The driver's side of a join's handshake, fed the bytes as they arrive on a non-blocking
+/// stream (the port's door reads every pending join on one thread): checks the magic, the
+/// version and the agent's proof, and answers with the driver's own in between.
+pub(crate) struct JoinCheck {
+    greeting: [u8; 8 + 4 + NONCE],
+    got: usize,
+    /// The driver's nonce, once it answered.
+    nonce_b: Option<[u8; NONCE]>,
+    agent_proof: [u8; PROOF],
+    proof_got: usize,
+}
+
+impl Default for JoinCheck {
+    fn default() -> Self {
+        JoinCheck {
+            greeting: [0; 8 + 4 + NONCE],
+            got: 0,
+            nonce_b: None,
+            agent_proof: [0; PROOF],
+            proof_got: 0,
+        }
     }
-    stream
-        .read_exact(&mut hello[MAGIC.len()..])
-        .map_err(refused("in the middle of its greeting"))?;
-    let theirs = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes"));
-    if theirs != VERSION {
-        return Err(WireError::Version { theirs });
+}
+
+impl JoinCheck {
+    /// Reads what arrived and answers when due: `Ok(true)` once the agent proved it knows
+    /// `secret`, `Ok(false)` while bytes are missing. Each failure says which step failed and
+    /// what that means (a peer that closes the connection instead of proving itself is an agent
+    /// with another secret: it checks the driver's proof first and leaves).
+    pub(crate) fn advance(&mut self, stream: &TcpStream, secret: &[u8]) -> Result<bool, WireError> {
+        let Some(nonce_b) = self.nonce_b else {
+            let before = self.got;
+            let full = super::gate::read_some(stream, &mut self.greeting, &mut self.got).map_err(
+                refused(if before == 0 {
+                    "before sending the join's first bytes (a port scan or a health check?)"
+                } else {
+                    "in the middle of its greeting"
+                }),
+            );
+            // The magic first, on its own: a stranger is dropped after 8 bytes.
+            if self.got >= MAGIC.len() && &self.greeting[..MAGIC.len()] != MAGIC {
+                return Err(WireError::NotAdag(self.greeting[..MAGIC.len()].to_vec()));
+            }
+            if !full? {
+                return Ok(false);
+            }
+            let theirs = u32::from_le_bytes(self.greeting[8..12].try_into().expect("4 bytes"));
+            if theirs != VERSION {
+                let mut answer = [0u8; NONCE + PROOF];
+                answer[..8].copy_from_slice(OTHER_VERSION);
+                answer[8..12].copy_from_slice(&VERSION.to_le_bytes());
+                let _ = (&*stream).write(&answer);
+                return Err(WireError::Version { theirs });
+            }
+            let nonce_b = nonce()?;
+            let nonce_a = &self.greeting[12..];
+            let mut answer = Vec::with_capacity(NONCE + PROOF);
+            answer.extend_from_slice(&nonce_b);
+            answer.extend_from_slice(
+                &proof(secret, b"driver", nonce_a, &nonce_b)
+                    .finalize()
+                    .into_bytes(),
+            );
+            // A new socket's buffer always has room for the answer.
+            if (&*stream).write(&answer)? != answer.len() {
+                return Err(WireError::Io(io::Error::other(
+                    "the answer to the greeting did not fit the new socket",
+                )));
+            }
+            self.nonce_b = Some(nonce_b);
+            return self.advance(stream, secret);
+        };
+        if !super::gate::read_some(stream, &mut self.agent_proof, &mut self.proof_got).map_err(
+            refused(
+                "instead of proving it knows the secret: its ADAG_TOKEN differs from this driver's (an agent checks the driver's proof first, and leaves when it fails)",
+            ),
+        )? {
+            return Ok(false);
+        }
+        proof(secret, b"agent", &self.greeting[12..], &nonce_b)
+            .verify_slice(&self.agent_proof)
+            .map_err(|_| WireError::Auth("the agent did not prove it knows the secret"))?;
+        Ok(true)
     }
-    let nonce_a = &hello[12..];
-    let nonce_b = nonce()?;
-    let mine = proof(secret, b"driver", nonce_a, &nonce_b)
-        .finalize()
-        .into_bytes();
-    let mut reply = Vec::with_capacity(NONCE + PROOF);
-    reply.extend_from_slice(&nonce_b);
-    reply.extend_from_slice(&mine);
-    stream.write_all(&reply)?;
-    let mut agent_proof = [0u8; PROOF];
-    stream.read_exact(&mut agent_proof).map_err(refused(
-        "instead of proving it knows the secret: its ADAG_TOKEN differs from this driver's (an agent checks the driver's proof first, and leaves when it fails)",
-    ))?;
-    proof(secret, b"agent", nonce_a, &nonce_b)
-        .verify_slice(&agent_proof)
-        .map_err(|_| WireError::Auth("the agent did not prove it knows the secret"))
 }
 
 /// Names a handshake read that failed: the peer closed the connection (`when`), or said
@@ -360,6 +413,21 @@ mod tests {
         (a, b)
     }
 
+    /// The driver's check driven as the port's door drives it (non-blocking), bounded in time.
+    fn driver_handshake(stream: &mut TcpStream, secret: &[u8]) -> Result<(), WireError> {
+        stream.set_nonblocking(true).unwrap();
+        let mut check = JoinCheck::default();
+        let until = std::time::Instant::now() + Duration::from_secs(20);
+        while !check.advance(stream, secret)? {
+            assert!(
+                std::time::Instant::now() < until,
+                "the handshake never ended"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
     #[test]
     fn the_same_secret_joins_and_a_different_one_is_refused_on_both_sides() {
         for (agent_secret, ok) in [(&b"s3cret"[..], true), (&b"guess"[..], false)] {
@@ -410,6 +478,26 @@ mod tests {
             d.join().unwrap(),
             Err(WireError::Version { theirs: 9 })
         ));
+    }
+
+    /// An agent of another version is told the driver's version: it stops at once instead of
+    /// retrying a join that cannot succeed.
+    #[test]
+    fn an_agent_of_another_version_learns_the_drivers() {
+        let (mut agent, mut driver) = pair();
+        let d = std::thread::spawn(move || driver_handshake(&mut driver, b"x"));
+        let mut hello = MAGIC.to_vec();
+        hello.extend_from_slice(&(VERSION + 1).to_le_bytes());
+        hello.extend_from_slice(&[0u8; NONCE]);
+        agent.write_all(&hello).unwrap();
+        let mut answer = [0u8; NONCE + PROOF];
+        agent.read_exact(&mut answer).unwrap();
+        assert_eq!(&answer[..8], OTHER_VERSION);
+        assert_eq!(
+            u32::from_le_bytes(answer[8..12].try_into().unwrap()),
+            VERSION
+        );
+        assert!(d.join().unwrap().is_err());
     }
 
     #[test]
