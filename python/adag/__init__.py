@@ -293,15 +293,18 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Ray's ``ray.shutdown``: tears down every live compiled graph of this process (actor
-    processes end when their handles are dropped, and with the interpreter). On a Ray
-    cluster (``init(ray_address=...)``) it also kills the agents' Ray actors, with them the
-    agents and their workers, waits (bounded) until the driver has seen those hosts leave,
-    and disconnects from Ray if ``init`` connected."""
-    from . import _ray
+    """Ray's ``ray.shutdown``: tears down every live compiled graph of this process, then
+    ends every actor this driver started (their worker processes are killed and gone when it
+    returns, on other hosts too); a handle of those actors raises
+    :class:`~adag.exceptions.RaySystemError` afterwards, as Ray's do, and the next
+    ``.remote()`` starts afresh. On a Ray cluster (``init(ray_address=...)``) it also kills
+    the agents' Ray actors, with them the agents and their workers, waits (bounded) until the
+    driver has seen those hosts leave, and disconnects from Ray if ``init`` connected."""
+    from . import _actor, _ray
     from ._dag import _teardown_all
 
     _teardown_all()
+    _actor._end_session()
     _ray.shutdown()
 
 

@@ -11,11 +11,12 @@ import os
 import pickle
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Dict, Generic, List, Optional, Tuple, TypeVar
 
 from . import _native
-from .exceptions import GetTimeoutError
+from .exceptions import GetTimeoutError, RaySystemError
 
 T = TypeVar("T")
 
@@ -352,6 +353,7 @@ class ActorMethod:
         checked against the method's signature (``TypeError``, Ray's message)."""
         from ._dag import ClassMethodNode, _return_nodes
 
+        self._actor._check_session()
         self._check(args, kwargs, "bind")
         node = ClassMethodNode(self._actor, self._name, args, kwargs, self._num_returns)
         if self._num_returns > 1:
@@ -396,7 +398,17 @@ class ActorHandle:
         self._calls = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"adag-call-{native.name}"
         )
+        self._session = _session
         _handles[native.name] = weakref.ref(self)
+
+    def _check_session(self) -> None:
+        """A handle of a session that ``adag.shutdown()`` ended is unusable, as in Ray."""
+        if self._session != _session:
+            raise RaySystemError(
+                "Ray has not been started yet. You can start Ray with 'ray.init()'. "
+                f"(adag: actor {self._native.name} was ended by adag.shutdown(); start a new "
+                f"one with {self._class_name}.remote())"
+            )
 
     def __getattr__(self, name: str) -> ActorMethod:
         if name.startswith("__") and name.endswith("__"):
@@ -461,6 +473,7 @@ class ActorHandle:
                 )
             return self._native.call(method, template)
 
+        self._check_session()
         for v in itertools.chain(args, kwargs.values()):
             if _is_compiled_ref(v):
                 raise TypeError("CompiledDAGRef cannot be used as Ray task/actor argument.")
@@ -474,8 +487,50 @@ class ActorHandle:
             release()
 
 
-#: Live handles by actor name, for calls that other actors make through this driver.
+#: Live handles by actor name, for calls that other actors make through this driver, and for
+#: ``adag.shutdown()`` to end.
 _handles: "Dict[str, weakref.ref[ActorHandle]]" = {}
+
+#: The session the handles made now belong to: ``adag.shutdown()`` ends it (Ray's
+#: ``ray.shutdown``), and the next ``.remote()`` starts in a new one.
+_session = 0
+
+
+def _end_session() -> None:
+    """Kill every actor this driver started (remote functions' workers too) and wait,
+    bounded, until their worker processes are gone; their handles raise Ray's error from
+    now on."""
+    global _session, _tasks
+    with _lock:
+        _session += 1
+        tasks, _tasks = _tasks, None
+    handles = [h for h in (r() for r in list(_handles.values())) if h is not None]
+    _handles.clear()
+    pids = []
+    for h in handles:
+        pid = h._native.pid
+        try:
+            h._kill()
+        except Exception:  # already dead, or a thread of a lost host: nothing left to end
+            continue
+        h._calls.shutdown(wait=False)
+        if pid is not None and h._native.host == 0:
+            pids.append(pid)
+    if tasks is not None:
+        tasks._pool.shutdown(wait=False)
+    deadline = _now() + 10.0
+    for pid in pids:
+        while _now() < deadline and _process_exists(pid):
+            time.sleep(0.005)
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether process ``pid`` is still in the process table (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 class ActorClass(Generic[T]):
@@ -749,6 +804,4 @@ def wait(
 
 
 def _now() -> float:
-    import time
-
     return time.monotonic()

@@ -131,3 +131,64 @@ def test_graph_after_graph_does_not_grow_the_worker():
         one(i)
     grown_mib = (_rss_kib(pid) - before) / 1024
     assert grown_mib < 20, f"the worker grew by {grown_mib:.1f} MiB over 40 graphs"
+
+
+SHUTDOWN = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {here!r})
+    import adag
+    from adag import InputNode
+    from actors import Echo
+    from procs import alive
+
+    E = adag.remote(Echo)
+
+    @adag.remote
+    def pid_of_task():
+        import os
+        return os.getpid()
+
+    a, b = E.remote(), E.remote()
+    pids = [a.pid.remote().get(), b.pid.remote().get(), pid_of_task.remote().get()]
+    with InputNode() as inp:
+        dag = b.echo.bind(a.echo.bind(inp))
+    compiled = dag.experimental_compile()
+    assert compiled.execute(5).get() == 5
+    adag.shutdown()
+    # Gone when shutdown returns, not when the interpreter exits.
+    print("alive", sum(alive(p) for p in pids))
+    for what, call in [("remote", lambda: a.echo.remote(1)), ("bind", lambda: a.echo.bind(1))]:
+        try:
+            call()
+            print(what, "worked")
+        except adag.exceptions.RaySystemError as e:
+            print(what, "raised", "Ray has not been started yet" in str(e) and "shutdown" in str(e))
+    # init() again starts afresh: new actors, new graphs.
+    adag.init()
+    c = E.remote()
+    with InputNode() as inp:
+        dag = c.echo.bind(inp)
+    compiled = dag.experimental_compile()
+    print("after", compiled.execute(7).get(), pid_of_task.remote().get() not in pids)
+    compiled.teardown()
+    """
+)
+
+
+def test_shutdown_ends_every_actor_and_init_starts_afresh():
+    """Ray's ``ray.shutdown()`` ends the driver's actors: their workers are gone when it
+    returns (they used to live until the interpreter exited), their handles raise Ray's
+    error, and the next actors work."""
+    p = subprocess.run(
+        [sys.executable, "-c", SHUTDOWN.format(here=HERE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.split("\n")
+    assert "alive 0" in lines, p.stdout + p.stderr
+    assert "remote raised True" in lines, p.stdout + p.stderr
+    assert "bind raised True" in lines, p.stdout + p.stderr
+    assert "after 7 True" in lines, p.stdout + p.stderr
