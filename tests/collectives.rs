@@ -527,6 +527,23 @@ fn p2p(p: Placement, overlap: bool) {
         assert_eq!(b.get().unwrap(), want);
     }
     g.teardown().unwrap();
+    // Each communicator edge counts its messages and the bytes of its tensors (6 f32, sent
+    // to its one reader on another actor), besides the few bytes of their metadata.
+    let stats = g.stats();
+    for method in ["make", "double"] {
+        let e = stats
+            .edges
+            .iter()
+            .find(|e| e.label.contains(method))
+            .unwrap_or_else(|| panic!("no edge of {method}: {stats:?}"));
+        assert_eq!(e.messages, 28, "{e:?}");
+        let tensors = 28 * 24;
+        assert!(
+            e.bytes >= tensors && e.bytes <= tensors + 28 * 32,
+            "{method}: {} bytes, not {tensors} of tensors and their metadata: {e:?}",
+            e.bytes
+        );
+    }
 }
 
 #[test]

@@ -330,6 +330,18 @@ impl GraphChannels {
         edge: u64,
         me: Loc,
     ) -> std::result::Result<FanOut<T>, String> {
+        self.writer_counted(plan, edge, me).map(|(w, _)| w)
+    }
+
+    /// [`writer`](Self::writer), with the counters of the edge's statistics that it writes,
+    /// for a writer that also moves the edge's data another way (a communicator edge, whose
+    /// channel carries only the tensor's metadata).
+    pub(crate) fn writer_counted<T: Value>(
+        &self,
+        plan: &GraphPlan,
+        edge: u64,
+        me: Loc,
+    ) -> std::result::Result<(FanOut<T>, Arc<EndCounters>), String> {
         let e = plan.edge(edge)?;
         if e.writer != me {
             return Err(format!("{me:?} does not write edge {}", e.label));
@@ -362,7 +374,7 @@ impl GraphChannels {
             }
         }
         self.counters.add(edge, counters.clone());
-        Ok(FanOut::new(ends).counted(counters))
+        Ok((FanOut::new(ends).counted(counters.clone()), counters))
     }
 
     /// The reading end of `edge` for the endpoint `me`.

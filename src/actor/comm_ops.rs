@@ -13,9 +13,10 @@
 //! or receive that failed half way) destroys the group: every rank then fails at once, each
 //! later execution returns the error, and nothing waits for a peer that will never come.
 use super::channels::GraphChannels;
+use super::observe::bump;
 use super::op::Op;
 use crate::channel::slot::LocalSlot;
-use crate::channel::{ChanError, ChannelWriter, FanOut, Msg, Reader};
+use crate::channel::{ChanError, ChannelWriter, EndCounters, FanOut, Msg, Reader};
 use crate::comm::{CommError, Communicator, cpu::MAX_DIMS};
 use crate::compile::plan::{GraphPlan, Loc, OpSpec, Stage};
 use crate::dag::collective::CollectiveKind;
@@ -241,9 +242,16 @@ fn recv_one(
     })
 }
 
+/// The writing end of a communicator edge: its channel (the metadata) and the counters of
+/// the edge's statistics, which count the tensor's bytes once for each reader it is sent to.
+struct MetaWriter {
+    chan: FanOut<TensorMeta>,
+    counters: Arc<EndCounters>,
+}
+
 /// Send one execution's tensor of an edge: metadata to every reader, then data to each.
 fn send_one(
-    writer: &mut FanOut<TensorMeta>,
+    writer: &mut MetaWriter,
     comm: &dyn Communicator,
     peers: &[usize],
     msg: Msg<Tensor>,
@@ -251,7 +259,7 @@ fn send_one(
     label: &str,
 ) -> Result<(), ChanError> {
     let t = match msg {
-        Msg::Error(e) => return writer.write(Msg::Error(e), None),
+        Msg::Error(e) => return writer.chan.write(Msg::Error(e), None),
         Msg::Value(t) => t,
     };
     if t.device() != comm.device() {
@@ -266,9 +274,9 @@ fn send_one(
             ),
         );
         let Msg::Error(e) = e else { unreachable!() };
-        return writer.write(Msg::Error(e), None);
+        return writer.chan.write(Msg::Error(e), None);
     }
-    writer.write(
+    writer.chan.write(
         Msg::Value(TensorMeta {
             shape: t.shape().to_vec(),
             dtype: t.dtype(),
@@ -281,6 +289,9 @@ fn send_one(
             fail(comm, &e, true);
             break;
         }
+        // Only this edge's sends write its counters (one thread at a time: the loop's, or
+        // the communication thread's with overlap).
+        bump(&writer.counters.bytes, t.nbytes() as u64);
     }
     Ok(())
 }
@@ -481,7 +492,10 @@ pub(crate) fn send_slot<A, T: 'static, B: ScheduleWiring<A>>(
     let slot = Rc::new(LocalSlot::<Tensor>::new(label.clone()));
     slot.add_use();
     let comm = b.comm().comm(group)?;
-    let mut writer: FanOut<TensorMeta> = b.chans().writer(b.plan(), edge, b.me())?;
+    let (chan, counters) = b
+        .chans()
+        .writer_counted::<TensorMeta>(b.plan(), edge, b.me())?;
+    let mut writer = MetaWriter { chan, counters };
     let actor = b.actor_name().to_string();
     let take = slot.clone();
     let stages = b.comm().stages(Key::Send(edge));

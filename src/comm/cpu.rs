@@ -9,9 +9,11 @@
 //! # The shared-memory protocol
 //!
 //! The region holds a header (parameters, the group's `state` word), one control block per
-//! rank, two collective slots per rank, and one mailbox per ordered pair of ranks. A slot or a
-//! mailbox entry is a 256-byte `Meta` header followed by `chunk_bytes` of data; larger
-//! tensors move in chunks, so any size works with a fixed region.
+//! rank, two collective slots per rank, one mailbox per ordered pair of ranks, and one
+//! *single-copy area* per rank. A slot or a mailbox entry is a 256-byte `Meta` header followed
+//! by `chunk_bytes` of data; larger tensors move in chunks, so any size works with a fixed
+//! region. Every process maps the region whole up to the single-copy areas, and an area the
+//! first time it sends from it or receives from it.
 //!
 //! - **Collectives** run in *rounds*, numbered the same on every rank. Rank `r` has two
 //!   counters: `ready[r]` (rounds whose data it published) and `done[r]` (rounds it finished
@@ -30,6 +32,21 @@
 //!   total size and offset; a receiver that finds another shape or dtype than it asked for
 //!   consumes the whole message and returns [`CommError::Mismatch`], keeping later messages in
 //!   order. A `send` returns once its last chunk is in the ring.
+//! - **Single copy**: a point-to-point tensor of at least [`BULK_MIN_BYTES`] (64 KiB) is
+//!   written once, by its sender, into a *block* of the sender's single-copy area
+//!   ([`CpuGroupOptions::bulk_bytes`] of address space, pages allocated as used), and the
+//!   message is one mailbox entry naming the block. The receiver's tensor reads the block in
+//!   place (no copy, no allocation) for as long as it lives. Each block starts with a header:
+//!   `BUSY` (set by the sender before it publishes the entry, cleared by the receiver with a
+//!   Release store when the last clone of its tensor is dropped, or at once when the receive
+//!   fails) and its size. The sender writes only blocks it saw free (`BUSY == 0`, loaded with
+//!   Acquire) or carves new ones at the top of its area (recorded in its control block, so a
+//!   rank opened again reads its blocks back and never writes one still held). It keeps the
+//!   memory of a few free blocks for reuse and gives the rest back (`FALLOC_FL_PUNCH_HOLE`).
+//!   When its area has no room (receivers keep many tensors) the tensor goes through the
+//!   mailbox in chunks instead: slower, never blocked. The ordering, the mailbox bound, the
+//!   errors and the waits are those of the chunked path; a mismatched receive frees the block
+//!   and keeps later messages in order.
 //! - **Waiting**: spin (`spin`, default 20 µs), then `sched_yield` (`yield_for`, 200 µs), then
 //!   sleep on a process-shared futex word with a sleeper count, in bounded slices of 100 ms,
 //!   until the deadline. Publishers bump the event word and call `FUTEX_WAKE` only when a
@@ -49,6 +66,7 @@ use super::{
     DEFAULT_TIMEOUT, GroupTicket, ReduceOp, SendCompletion, reduce_bytes,
 };
 use crate::tensor::{AlignedBuf, DType, Tensor, TensorError};
+use bytes::Bytes;
 use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::Mutex;
 use rustix::fs::{MemfdFlags, SealFlags};
@@ -56,10 +74,13 @@ use rustix::thread::futex;
 use std::fmt;
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use zerocopy::{FromBytes, FromZeros, Immutable, IntoBytes, KnownLayout};
+
+#[cfg(test)]
+mod bulk_tests;
 
 /// The transport name of the CPU communicator.
 pub const TRANSPORT: &str = "cpu";
@@ -82,6 +103,12 @@ pub struct CpuGroupOptions {
     pub spin: Duration,
     /// How long a waiter yields before sleeping on the futex. Default 200 µs.
     pub yield_for: Duration,
+    /// Address space of each rank's *single-copy area*: a point-to-point tensor of at least
+    /// [`BULK_MIN_BYTES`] is written there once by its sender and read in place by its
+    /// receiver (see the module docs). Pages are allocated only as they are used. Default
+    /// 4 GiB, and at most 1 TiB divided by the world size; 0 turns the area off (every tensor
+    /// then moves through the mailboxes, in chunks, copied twice).
+    pub bulk_bytes: usize,
 }
 
 impl Default for CpuGroupOptions {
@@ -91,12 +118,13 @@ impl Default for CpuGroupOptions {
             timeout: DEFAULT_TIMEOUT,
             spin: Duration::from_micros(20),
             yield_for: Duration::from_micros(200),
+            bulk_bytes: 4 << 30,
         }
     }
 }
 
 const MAGIC: u64 = u64::from_le_bytes(*b"ADAGCPU\x01");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Cache-line padding of words written by different ranks (128: adjacent-line prefetch).
 const LINE: usize = 128;
 const PAGE: usize = 4096;
@@ -108,6 +136,16 @@ const PAGE: usize = 4096;
 /// touched only as they are used.
 pub(crate) const DEPTH: u32 = 8;
 const LABEL_MAX: usize = 96;
+/// The smallest point-to-point tensor sent through the sender's single-copy area (when the
+/// group has one, [`CpuGroupOptions::bulk_bytes`]); smaller ones go through the mailboxes.
+pub const BULK_MIN_BYTES: usize = 64 << 10;
+/// Bytes before a block's data in a single-copy area: its header ([`block`]).
+const BLOCK_HEADER: usize = 64;
+/// The most free blocks of a rank's single-copy area whose memory it keeps for reuse; the
+/// memory of the others is given back to the kernel (their headers stay).
+const KEEP_FREE: usize = 4;
+/// The most address space of all the single-copy areas of a group together.
+const BULK_TOTAL_MAX: usize = 1 << 40;
 /// Longest futex sleep before rechecking state and deadline.
 const SLEEP_SLICE: Duration = Duration::from_millis(100);
 
@@ -125,6 +163,8 @@ mod hdr {
     pub const ID_LO: usize = 64;
     pub const LABEL_LEN: usize = 72;
     pub const LABEL: usize = 80;
+    /// Bytes of each rank's single-copy area (0: none).
+    pub const ARENA: usize = 176;
     pub const STATE: usize = 256;
     pub const COLL_EVENT: usize = 384;
     pub const COLL_SLEEPERS: usize = 388;
@@ -136,7 +176,20 @@ mod rank_ctrl {
     pub const READY: usize = 0;
     pub const DONE: usize = 128;
     pub const ATTACHED: usize = 256;
+    /// The end of the blocks carved in the rank's single-copy area (written by the rank).
+    pub const BULK_TOP: usize = 264;
     pub const STRIDE: usize = 384;
+}
+
+/// Offsets in the header of a block of a single-copy area.
+mod block {
+    /// 1 while the block holds a tensor on its way or held by its receiver, 0 when free:
+    /// set by the sender before it publishes the message, cleared by the receiver (Release)
+    /// once the tensor it read in place is dropped.
+    pub const BUSY: usize = 0;
+    /// The block's size in bytes, header included (a multiple of the page): written by the
+    /// sender when it carves the block, never changed.
+    pub const SIZE: usize = 8;
 }
 
 /// Per-mailbox control block offsets (sender-written words apart from receiver-written ones).
@@ -175,6 +228,8 @@ const KIND_P2P: u32 = 0;
 const KIND_ALLREDUCE: u32 = 1;
 const KIND_ALLGATHER: u32 = 2;
 const KIND_REDUCESCATTER: u32 = 3;
+/// A point-to-point message whose data lies in the sender's single-copy area (`Meta::block`).
+const KIND_P2P_BULK: u32 = 8;
 
 /// The 256-byte header of a collective slot or a mailbox entry.
 #[derive(Clone, Copy, FromBytes, IntoBytes, Immutable, KnownLayout)]
@@ -197,7 +252,9 @@ struct Meta {
     status: u32,
     reserved: u32,
     shape: [u64; MAX_DIMS],
-    padding: [u8; 72],
+    /// `KIND_P2P_BULK`: the offset of the block in the sender's single-copy area.
+    block: u64,
+    padding: [u8; 64],
 }
 
 const META: usize = std::mem::size_of::<Meta>();
@@ -241,7 +298,8 @@ fn align_up(x: usize, a: usize) -> Option<usize> {
     Some(x.checked_add(a - 1)? / a * a)
 }
 
-/// Where everything is in the region, computed from the world size and the chunk size.
+/// Where everything is in the region, computed from the world size, the chunk size and the
+/// size of each rank's single-copy area.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Layout {
     world: usize,
@@ -250,11 +308,15 @@ struct Layout {
     slot_stride: usize,
     mbox_ctrl: usize,
     mbox_data: usize,
+    /// Where the single-copy areas start: the end of what every rank maps whole.
+    arenas: usize,
+    /// Bytes of each rank's single-copy area (a multiple of the page; 0: none).
+    arena: usize,
     total: usize,
 }
 
 impl Layout {
-    fn new(world: usize, chunk: usize) -> Option<Layout> {
+    fn new(world: usize, chunk: usize, arena: usize) -> Option<Layout> {
         let ranks_end = hdr::SIZE.checked_add(world.checked_mul(rank_ctrl::STRIDE)?)?;
         let slots = align_up(ranks_end, PAGE)?;
         let slot_stride = META.checked_add(align_up(chunk, LINE)?)?;
@@ -264,7 +326,7 @@ impl Layout {
             mbox_ctrl.checked_add(pairs.checked_mul(mbox::STRIDE)?)?,
             PAGE,
         )?;
-        let total = align_up(
+        let arenas = align_up(
             mbox_data.checked_add(
                 pairs
                     .checked_mul(DEPTH as usize)?
@@ -272,6 +334,10 @@ impl Layout {
             )?,
             PAGE,
         )?;
+        if !arena.is_multiple_of(PAGE) || world.checked_mul(arena)? > BULK_TOTAL_MAX {
+            return None;
+        }
+        let total = arenas.checked_add(world * arena)?;
         // Keep offsets well inside isize for pointer arithmetic.
         (total <= isize::MAX as usize / 2).then_some(Layout {
             world,
@@ -280,8 +346,21 @@ impl Layout {
             slot_stride,
             mbox_ctrl,
             mbox_data,
+            arenas,
+            arena,
             total,
         })
+    }
+
+    /// The size of each rank's single-copy area for `bulk_bytes` asked for
+    /// ([`CpuGroupOptions::bulk_bytes`]).
+    fn arena_for(world: usize, bulk_bytes: usize) -> usize {
+        let arena = bulk_bytes.min(BULK_TOTAL_MAX / world.max(1)) / PAGE * PAGE;
+        if arena < BLOCK_HEADER + BULK_MIN_BYTES {
+            0
+        } else {
+            arena
+        }
     }
 
     fn rank_ctrl(&self, r: usize) -> usize {
@@ -324,7 +403,11 @@ struct Event {
 
 /// One mapping of a group's region in this process.
 struct Region {
+    /// The region up to the single-copy areas (`layout.arenas` bytes).
     map: MmapRaw,
+    /// The single-copy area of each rank, mapped the first time this process sends from it
+    /// or receives from it.
+    arena_maps: Box<[OnceLock<MmapRaw>]>,
     file: File,
     layout: Layout,
     id: CommId,
@@ -369,7 +452,8 @@ impl Region {
             });
         }
         let chunk = align_up(opts.chunk_bytes.max(LINE), LINE).unwrap_or(usize::MAX);
-        let layout = Layout::new(world, chunk).ok_or_else(|| CommError::Config {
+        let arena = Layout::arena_for(world, opts.bulk_bytes);
+        let layout = Layout::new(world, chunk, arena).ok_or_else(|| CommError::Config {
             message: format!(
                 "a CPU group of {world} ranks with chunk_bytes = {} does not fit in memory; lower CpuGroupOptions::chunk_bytes",
                 opts.chunk_bytes
@@ -403,11 +487,12 @@ impl Region {
             .map_err(|e| io_err(&name, "sealing the group's shared memory", e))?;
         let file = File::from(fd);
         let map = MmapOptions::new()
-            .len(layout.total)
+            .len(layout.arenas)
             .map_raw(&file)
             .map_err(|e| io_err(&name, "mapping the group's shared memory", e))?;
         let region = Region {
             map,
+            arena_maps: (0..world).map(|_| OnceLock::new()).collect(),
             file,
             layout,
             id,
@@ -426,6 +511,9 @@ impl Region {
         region
             .u64_at(hdr::CHUNK)
             .store(chunk as u64, Ordering::Relaxed);
+        region
+            .u64_at(hdr::ARENA)
+            .store(arena as u64, Ordering::Relaxed);
         region
             .u64_at(hdr::TOTAL)
             .store(layout.total as u64, Ordering::Relaxed);
@@ -474,12 +562,14 @@ impl Region {
                 "the descriptor is {size} bytes long, not an adag CPU communicator region"
             )));
         }
+        // The header first; the rest once the header says how much every rank maps whole.
         let map = MmapOptions::new()
-            .len(size)
+            .len(hdr::SIZE)
             .map_raw(&file)
             .map_err(|e| io_err(unknown, "mapping the group's shared memory", e))?;
         let mut region = Region {
             map,
+            arena_maps: Box::new([]),
             file,
             layout: Layout {
                 world: 1,
@@ -488,6 +578,8 @@ impl Region {
                 slot_stride: 0,
                 mbox_ctrl: 0,
                 mbox_data: 0,
+                arenas: hdr::SIZE,
+                arena: 0,
                 total: size,
             },
             id: CommId::from_u128(0),
@@ -511,14 +603,15 @@ impl Region {
         let world = region.u32_at(hdr::WORLD).load(Ordering::Relaxed) as usize;
         let chunk = region.u64_at(hdr::CHUNK).load(Ordering::Relaxed) as usize;
         let total = region.u64_at(hdr::TOTAL).load(Ordering::Relaxed) as usize;
+        let arena = region.u64_at(hdr::ARENA).load(Ordering::Relaxed) as usize;
         let layout = (1..=MAX_WORLD_SIZE)
             .contains(&world)
-            .then(|| Layout::new(world, chunk))
+            .then(|| Layout::new(world, chunk, arena))
             .flatten()
             .filter(|l| l.total == total && total == size && l.chunk == chunk)
             .ok_or_else(|| {
                 not_ours(format!(
-                    "inconsistent header (world {world}, chunk {chunk}, {total} bytes in a {size}-byte region)"
+                    "inconsistent header (world {world}, chunk {chunk}, single-copy areas of {arena} bytes, {total} bytes in a {size}-byte region)"
                 ))
             })?;
         let id = CommId::from_u128(
@@ -533,6 +626,11 @@ impl Region {
         unsafe { region.read(hdr::LABEL, &mut label) };
         let ns = |off| Duration::from_nanos(region.u64_at(off).load(Ordering::Relaxed));
         let (timeout, spin, yield_for) = (ns(hdr::TIMEOUT_NS), ns(hdr::SPIN_NS), ns(hdr::YIELD_NS));
+        region.map = MmapOptions::new()
+            .len(layout.arenas)
+            .map_raw(&region.file)
+            .map_err(|e| io_err(unknown, "mapping the group's shared memory", e))?;
+        region.arena_maps = (0..world).map(|_| OnceLock::new()).collect();
         region.timeout = timeout;
         region.spin = spin;
         region.yield_for = yield_for;
@@ -599,6 +697,59 @@ impl Region {
         // SAFETY: in bounds (checked) of a mapping that lives as long as `self`; no concurrent
         // writer is the caller's contract.
         unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) }
+    }
+
+    /// The single-copy area of `rank`, mapped on first use.
+    fn arena(&self, rank: usize) -> Result<&MmapRaw, CommError> {
+        let cell = &self.arena_maps[rank];
+        if let Some(map) = cell.get() {
+            return Ok(map);
+        }
+        let l = &self.layout;
+        let map = MmapOptions::new()
+            .offset((l.arenas + rank * l.arena) as u64)
+            .len(l.arena)
+            .map_raw(&self.file)
+            .map_err(|e| {
+                io_err(
+                    &self.name,
+                    &format!("mapping the single-copy area of rank {rank}"),
+                    e,
+                )
+            })?;
+        // Another thread may have mapped it meanwhile: then ours is unmapped here.
+        let _ = cell.set(map);
+        Ok(cell.get().expect("set above"))
+    }
+
+    /// A word of a block header in a single-copy area.
+    fn arena_u32(map: &MmapRaw, off: usize) -> &AtomicU32 {
+        assert!(off.is_multiple_of(4) && off + 4 <= map.len());
+        // SAFETY: in bounds (checked) of a page-aligned mapping, so aligned for AtomicU32; it
+        // lives as long as `map`; and every process touches the words of block headers only
+        // through these accessors (atomically).
+        unsafe { AtomicU32::from_ptr(map.as_mut_ptr().add(off).cast()) }
+    }
+
+    /// See [`Region::arena_u32`].
+    fn arena_u64(map: &MmapRaw, off: usize) -> &AtomicU64 {
+        assert!(off.is_multiple_of(8) && off + 8 <= map.len());
+        // SAFETY: as in `arena_u32`, with 8-byte alignment.
+        unsafe { AtomicU64::from_ptr(map.as_mut_ptr().add(off).cast()) }
+    }
+
+    /// Gives the memory of `len` bytes of `rank`'s single-copy area at `off` back to the
+    /// kernel: they read as zeros from then on, in every process.
+    fn punch(&self, rank: usize, off: usize, len: usize) {
+        if len == 0 {
+            return;
+        }
+        let at = self.layout.arenas + rank * self.layout.arena + off;
+        let flags = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        if let Err(err) = rustix::fs::fallocate(&self.file, flags, at as u64, len as u64) {
+            // Only memory use: the range stays valid.
+            tracing::debug!(%err, at, len, "could not give back memory of a CPU group");
+        }
     }
 
     /// Copies the header of a slot or entry.
@@ -842,7 +993,8 @@ impl CpuGroup {
         self.region.layout.chunk
     }
 
-    /// The size of the shared-memory region in bytes (virtual; pages are allocated on use).
+    /// The size of the shared-memory region in bytes, single-copy areas included (virtual;
+    /// pages are allocated on use).
     pub fn region_bytes(&self) -> usize {
         self.region.layout.total
     }
@@ -957,6 +1109,8 @@ pub struct CpuCommunicator {
     coll: Mutex<()>,
     send_locks: Box<[Mutex<()>]>,
     recv_locks: Box<[Mutex<()>]>,
+    /// The blocks of this rank's single-copy area, read from their headers on first use.
+    blocks: Mutex<Option<Blocks>>,
 }
 
 impl fmt::Debug for CpuCommunicator {
@@ -981,6 +1135,96 @@ impl Drop for CpuCommunicator {
 struct Chunk {
     offset: usize,
     len: usize,
+}
+
+/// One block of a rank's single-copy area, as its sender knows it.
+#[derive(Debug, Clone, Copy)]
+struct BlockInfo {
+    /// Offset in the area.
+    off: usize,
+    /// Bytes, header included (a multiple of the page).
+    size: usize,
+    /// Whether its data pages are (probably) allocated: false once given back.
+    resident: bool,
+    /// When it was last taken (`Blocks::tick`).
+    used: u64,
+}
+
+/// The index of a rank's single-copy area, kept by the communicator that holds the rank.
+/// The headers in shared memory are the truth (a rank opened again reads them back, so a
+/// block that a receiver still holds is never reused); this index only spares the walk.
+#[derive(Debug, Default)]
+struct Blocks {
+    /// In offset order, back to back from 0 to `top`.
+    list: Vec<BlockInfo>,
+    top: usize,
+    tick: u64,
+}
+
+impl Blocks {
+    /// The blocks that `rank`'s area holds, from their headers (walked from 0 to the
+    /// rank's `BULK_TOP`).
+    fn read(region: &Region, rank: usize, map: &MmapRaw) -> Blocks {
+        let top_word = region.u64_at(region.layout.rank_ctrl(rank) + rank_ctrl::BULK_TOP);
+        let top = (top_word.load(Ordering::Acquire) as usize).min(map.len());
+        let mut list = Vec::new();
+        let mut off = 0;
+        while off < top {
+            let size = Region::arena_u64(map, off + block::SIZE).load(Ordering::Acquire) as usize;
+            if size == 0 || !size.is_multiple_of(PAGE) || off + size > top {
+                break;
+            }
+            list.push(BlockInfo {
+                off,
+                size,
+                resident: true,
+                used: 0,
+            });
+            off += size;
+        }
+        // Anything past a header that does not add up is never read again.
+        top_word.store(off as u64, Ordering::Release);
+        Blocks {
+            list,
+            top: off,
+            tick: 0,
+        }
+    }
+}
+
+/// A tensor's bytes read in place from a sender's single-copy area: frees the block (its
+/// header's `BUSY` word) when the last tensor sharing them is dropped.
+struct BulkLease {
+    region: Arc<Region>,
+    /// The sender: whose area.
+    rank: usize,
+    /// The block's offset in the area.
+    off: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for BulkLease {
+    fn as_ref(&self) -> &[u8] {
+        let map = self.region.arena_maps[self.rank]
+            .get()
+            .expect("mapped before the lease was made");
+        assert!(self.off + BLOCK_HEADER + self.len <= map.len());
+        // SAFETY: in bounds (checked) of a mapping that `self.region` keeps alive. Nobody
+        // writes these bytes while the lease lives: the sender wrote them before publishing
+        // the message (its Release store of the mailbox's head, which the receiver loaded
+        // with Acquire before making the lease), set the block's BUSY word first, and writes
+        // a block again only after loading BUSY == 0 (Acquire), which only the lease's drop
+        // stores (Release), after its last read.
+        unsafe { std::slice::from_raw_parts(map.as_ptr().add(self.off + BLOCK_HEADER), self.len) }
+    }
+}
+
+impl Drop for BulkLease {
+    fn drop(&mut self) {
+        if let Some(map) = self.region.arena_maps[self.rank].get() {
+            Region::arena_u32(map, self.off + block::BUSY).store(0, Ordering::Release);
+        }
+    }
 }
 
 impl CpuCommunicator {
@@ -1030,6 +1274,7 @@ impl CpuCommunicator {
             coll: Mutex::new(()),
             send_locks: (0..world).map(|_| Mutex::new(())).collect(),
             recv_locks: (0..world).map(|_| Mutex::new(())).collect(),
+            blocks: Mutex::new(None),
             region,
         })
     }
@@ -1443,6 +1688,96 @@ impl CpuCommunicator {
         }
     }
 
+    /// A block of this rank's single-copy area for `n` bytes of data, marked busy: a free one
+    /// that fits (the smallest), else a new one carved at the top (after taking back the free
+    /// blocks there). `None` when the group has no such area, the tensor is smaller than
+    /// [`BULK_MIN_BYTES`], or the area has no room (the mailboxes carry the tensor then).
+    /// Keeps the memory of the [`KEEP_FREE`] most recently used free blocks and gives back
+    /// that of the others.
+    fn take_block(&self, n: usize) -> Option<usize> {
+        let region = &*self.region;
+        let arena = region.layout.arena;
+        if arena == 0 || n < BULK_MIN_BYTES {
+            return None;
+        }
+        let need = align_up(n.checked_add(BLOCK_HEADER)?, PAGE)?;
+        if need > arena {
+            return None;
+        }
+        let map = match region.arena(self.rank) {
+            Ok(map) => map,
+            Err(e) => {
+                tracing::debug!(error = %e, "no single-copy area: the tensor goes through the mailbox");
+                return None;
+            }
+        };
+        let mut guard = self.blocks.lock();
+        let blocks = guard.get_or_insert_with(|| Blocks::read(region, self.rank, map));
+        blocks.tick += 1;
+        // Only this rank marks a block busy, so a block seen free stays free until taken.
+        let mut free: Vec<bool> = blocks
+            .list
+            .iter()
+            .map(|b| Region::arena_u32(map, b.off + block::BUSY).load(Ordering::Acquire) == 0)
+            .collect();
+        let fit = (0..blocks.list.len())
+            .filter(|&i| free[i] && blocks.list[i].size >= need)
+            .min_by_key(|&i| (blocks.list[i].size, blocks.list[i].off));
+        let chosen = match fit {
+            Some(i) => i,
+            None => {
+                let mut keep = blocks.list.len();
+                while keep > 0 && free[keep - 1] {
+                    keep -= 1;
+                }
+                let at = blocks.list.get(keep).map_or(blocks.top, |b| b.off);
+                if at.checked_add(need).is_none_or(|end| end > arena) {
+                    return None;
+                }
+                let old_top = blocks.top;
+                blocks.list.truncate(keep);
+                free.truncate(keep);
+                Region::arena_u32(map, at + block::BUSY).store(0, Ordering::Relaxed);
+                Region::arena_u64(map, at + block::SIZE).store(need as u64, Ordering::Release);
+                blocks.list.push(BlockInfo {
+                    off: at,
+                    size: need,
+                    resident: true,
+                    used: 0,
+                });
+                free.push(true);
+                blocks.top = at + need;
+                region
+                    .u64_at(region.layout.rank_ctrl(self.rank) + rank_ctrl::BULK_TOP)
+                    .store(blocks.top as u64, Ordering::Release);
+                if old_top > blocks.top {
+                    // What the free blocks taken back held past the new one.
+                    region.punch(self.rank, blocks.top, old_top - blocks.top);
+                }
+                blocks.list.len() - 1
+            }
+        };
+        let tick = blocks.tick;
+        let b = &mut blocks.list[chosen];
+        Region::arena_u32(map, b.off + block::BUSY).store(1, Ordering::Relaxed);
+        b.used = tick;
+        b.resident = true;
+        let off = b.off;
+        let mut idle: Vec<usize> = (0..blocks.list.len())
+            .filter(|&i| i != chosen && free[i] && blocks.list[i].resident)
+            .collect();
+        if idle.len() > KEEP_FREE {
+            idle.sort_by_key(|&i| std::cmp::Reverse(blocks.list[i].used));
+            for &i in &idle[KEEP_FREE..] {
+                let b = &mut blocks.list[i];
+                // Not its header page: a rank opened again walks the headers.
+                region.punch(self.rank, b.off + PAGE, b.size - PAGE);
+                b.resident = false;
+            }
+        }
+        Some(off)
+    }
+
     fn mbox_event(&self, pair: usize, rx: bool) -> Event {
         let c = self.region.layout.mbox_ctrl(pair);
         if rx {
@@ -1465,8 +1800,10 @@ impl Communicator for CpuCommunicator {
     }
 
     /// Buffered: a send returns once its chunks are in the pair's mailbox (`DEPTH` (8) entries
-    /// of `chunk_bytes`), before the peer receives. A larger tensor, or more messages queued
-    /// to the same peer, wait for the receiver to drain the mailbox.
+    /// of `chunk_bytes`), or its tensor in a block of the sender's single-copy area and the
+    /// one entry naming it in the mailbox, before the peer receives. A larger tensor that goes
+    /// in chunks, or more messages queued to the same peer, wait for the receiver to drain
+    /// the mailbox.
     fn send_completion(&self) -> SendCompletion {
         SendCompletion::Buffered
     }
@@ -1514,8 +1851,8 @@ impl Communicator for CpuCommunicator {
         for (s, &d) in meta.shape.iter_mut().zip(tensor.shape()) {
             *s = d as u64;
         }
-        let nchunks = data.len().div_ceil(layout.chunk).max(1);
-        for c in 0..nchunks {
+        // Waits for a free entry for chunk `c`; its index.
+        let room_for = |c: usize| -> Result<u32, CommError> {
             let h = head.load(Ordering::Relaxed);
             let room = || h.wrapping_sub(tail.load(Ordering::Acquire)) < DEPTH;
             region
@@ -1531,6 +1868,40 @@ impl Communicator for CpuCommunicator {
                         )
                     })
                 })?;
+            Ok(h)
+        };
+        if data.len() >= BULK_MIN_BYTES && layout.arena > 0 {
+            let h = room_for(0)?;
+            if let Some(off) = self.take_block(data.len()) {
+                let map = region.arena(self.rank)?;
+                assert!(off + BLOCK_HEADER + data.len() <= map.len());
+                // SAFETY: in bounds (checked). The block is this rank's alone: new, or seen
+                // free (BUSY == 0, loaded with Acquire after its last reader's Release store)
+                // and marked busy by `take_block`, and no receiver reads it before the
+                // Release store of head = h + 1 below. `data` is not in this mapping (a
+                // tensor read in place from a single-copy area is another rank's, or a busy
+                // block of this one), so the ranges do not overlap.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        data.as_ptr(),
+                        map.as_mut_ptr().add(off + BLOCK_HEADER),
+                        data.len(),
+                    )
+                };
+                meta.kind = KIND_P2P_BULK;
+                meta.block = off as u64;
+                let entry = layout.entry(pair, h);
+                // SAFETY: entry h % DEPTH is free (as for chunks below).
+                unsafe { region.write(entry, meta.as_bytes()) };
+                head.store(h.wrapping_add(1), Ordering::SeqCst);
+                region.notify(self.mbox_event(pair, true));
+                seq_word.store(seq + 1, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
+        let nchunks = data.len().div_ceil(layout.chunk).max(1);
+        for c in 0..nchunks {
+            let h = room_for(c)?;
             let offset = c * layout.chunk;
             let len = (data.len() - offset).min(layout.chunk);
             meta.offset = offset as u64;
@@ -1618,6 +1989,68 @@ impl Communicator for CpuCommunicator {
             // it before this rank's tail = t + 1.
             let m = unsafe { region.read_meta(entry) };
             let total = m.nbytes as usize;
+            if m.kind == KIND_P2P_BULK {
+                if !first || m.seq != seq {
+                    return Err(self.protocol_error(
+                        ABORT_PROTOCOL,
+                        format!(
+                            "mailbox {peer} -> {}: expected chunk at byte {got} of message {seq}, found message {} in a single-copy block",
+                            self.rank, m.seq
+                        ),
+                    ));
+                }
+                // The entry is consumed whatever follows: the block is this rank's now.
+                tail.store(t.wrapping_add(1), Ordering::SeqCst);
+                region.notify(self.mbox_event(pair, false));
+                seq_word.store(seq + 1, Ordering::Relaxed);
+                let map = region.arena(peer)?;
+                let off = m.block as usize;
+                let in_area = off.is_multiple_of(PAGE)
+                    && off
+                        .checked_add(BLOCK_HEADER)
+                        .and_then(|e| e.checked_add(total))
+                        .is_some_and(|e| e <= map.len());
+                if !in_area {
+                    return Err(self.protocol_error(
+                        ABORT_PROTOCOL,
+                        format!(
+                            "mailbox {peer} -> {}: message {seq} names {total} bytes at {off}, outside rank {peer}'s single-copy area",
+                            self.rank
+                        ),
+                    ));
+                }
+                // Frees the block when dropped: on every error below, and once the tensor and
+                // its clones are gone.
+                let lease = BulkLease {
+                    region: self.region.clone(),
+                    rank: peer,
+                    off,
+                    len: total,
+                };
+                if m.dtype != mine.dtype || m.ndim != mine.ndim || m.shape != mine.shape {
+                    drop(lease);
+                    return Err(CommError::Mismatch {
+                        group: self.group(),
+                        rank: self.rank,
+                        peer,
+                        op,
+                        expected: format!("a recv of {}", mine.describe()),
+                        found: format!("a send of {}", m.describe()),
+                    });
+                }
+                if total != expected_bytes {
+                    drop(lease);
+                    return Err(self.protocol_error(
+                        ABORT_PROTOCOL,
+                        format!(
+                            "mailbox {peer} -> {}: a message of shape {shape:?} announced {total} bytes instead of {expected_bytes}",
+                            self.rank
+                        ),
+                    ));
+                }
+                return Tensor::from_bytes(dtype, shape.to_vec(), Bytes::from_owner(lease))
+                    .map_err(tensor_err);
+            }
             if m.seq != seq || m.offset as usize != got || m.len as usize > layout.chunk {
                 return Err(self.protocol_error(
                     ABORT_PROTOCOL,

@@ -82,7 +82,12 @@ pub struct EdgeStats {
     pub label: String,
     /// Messages written (one per execution).
     pub messages: u64,
-    /// Bytes encoded into shared memory (0 for edges between threads: values move as they are).
+    /// Bytes its writer sent, counted by the writer: for a channel edge, the bytes encoded
+    /// into shared memory or onto the network (0 for edges between threads: values move as
+    /// they are); for a communicator edge (`Transport::communicator()`, `Transport::custom`),
+    /// the tensor's bytes once for each reader it was sent to through the communicator
+    /// (whether the readers are threads or processes), plus the metadata encoded into its
+    /// channel. A reader on the writer's own actor adds nothing.
     pub bytes: u64,
     /// Times its shared-memory channel grew for a larger message.
     pub growths: u64,
