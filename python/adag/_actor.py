@@ -16,7 +16,7 @@ import weakref
 from typing import Any, Dict, Generic, List, Optional, Tuple, TypeVar
 
 from . import _native
-from .exceptions import GetTimeoutError, RaySystemError
+from .exceptions import ActorDiedError, GetTimeoutError, RaySystemError
 
 T = TypeVar("T")
 
@@ -354,6 +354,8 @@ class ActorMethod:
         from ._dag import ClassMethodNode, _return_nodes
 
         self._actor._check_session()
+        if isinstance(self._actor._native, _Unborn):
+            raise self._actor._native.died()
         self._check(args, kwargs, "bind")
         node = ClassMethodNode(self._actor, self._name, args, kwargs, self._num_returns)
         if self._num_returns > 1:
@@ -487,6 +489,31 @@ class ActorHandle:
             release()
 
 
+class _Unborn:
+    """The native side of an actor whose constructor raised (or whose host was lost while
+    it started): every use raises Ray's ``ActorDiedError`` with the constructor's
+    traceback."""
+
+    pid = None
+
+    def __init__(self, name: str, host: int, class_name: str, why: str) -> None:
+        self.name = name
+        self.host = host
+        self._text = (
+            "The actor died because of an error raised in its creation task, "
+            f"{class_name}.__init__() ({name}): {why}"
+        )
+
+    def died(self) -> ActorDiedError:
+        return ActorDiedError(self._text)
+
+    def call(self, method: str, template: bytes) -> Any:
+        raise self.died()
+
+    def kill(self) -> None:
+        return None
+
+
 #: Live handles by actor name, for calls that other actors make through this driver, and for
 #: ``adag.shutdown()`` to end.
 _handles: "Dict[str, weakref.ref[ActorHandle]]" = {}
@@ -575,15 +602,22 @@ class ActorClass(Generic[T]):
         args, kwargs = _resolve(args, kwargs)
         name = self._options.get("name") or f"{self._cls.__name__}#{next(_numbers)}"
         host = cluster.placement(name, self._options)
-        native = _native.spawn(
-            _dumps_class(self._cls),
-            tuple(args),
-            dict(kwargs),
-            [p for p in sys.path if isinstance(p, str)],
-            name,
-            host,
-        )
+        try:
+            native = _native.spawn(
+                _dumps_class(self._cls),
+                tuple(args),
+                dict(kwargs),
+                [p for p in sys.path if isinstance(p, str)],
+                name,
+                host,
+            )
+        except ActorDiedError as e:
+            # As in Ray: the handle is returned, and its first use raises (a program's
+            # `try` around its first call catches it there).
+            native = _Unborn(name, host, self.__name__, str(e))
         handle = ActorHandle(native, self._cls.__name__, self._methods)
+        # What the compile checks of the accelerator transport read (Ray's: the actor has a GPU).
+        handle._num_gpus = self._options.get("num_gpus") or 0
         from . import _ray
 
         if _ray.active():

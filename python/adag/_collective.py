@@ -128,7 +128,13 @@ class _Collective:
             if not isinstance(n, ClassMethodNode):
                 raise ValueError(f"{self._name}.bind() takes method nodes (actor.method.bind(...))")
             if any(n._actor is a for a in actors):
-                raise ValueError(f"{self._name}.bind(): every input must be on a distinct actor")
+                raise ValueError(
+                    "Expected unique actor handles for a collective operation, but found "
+                    "duplicate actor handles from input nodes: "
+                    f"{[m._actor._actor_name for m in nodes]}. adag: {self._name}.bind() takes "
+                    f"one node per participant, each on a distinct actor ({n._actor._actor_name} "
+                    "appears twice)"
+                )
             actors.append(n._actor)
         if transport is not None and not isinstance(transport, str):
             members = transport.get_actor_handles()
@@ -136,22 +142,38 @@ class _Collective:
             ours = sorted(a._actor_name for a in actors)
             if names != ours:
                 raise ValueError(
+                    "Expected actor handles to match the custom communicator group. "
                     "The passed-in communicator must have the same set of actors as the "
                     f"collective operation. The passed-in communicator has actors {names} "
                     f"while the collective operation has actors {ours}."
                 )
+        from ._comm_plan import group_key, is_user_communicator
+
         out = []
+        label = self._name if self._name == "allgather" else f"{self._name}.{ReduceOp(op).name.lower()}"
         for rank, n in enumerate(nodes):
-            kwargs = {}
-            if self._name != "allgather":
-                kwargs["op"] = ReduceOp(op).value
-            if self._name == "reducescatter":
-                kwargs["rank"] = rank
-            args = _packed(n._actor, nodes)
-            label = self._name if self._name == "allgather" else f"{self._name}.{ReduceOp(op).name.lower()}"
-            out.append(
-                ClassMethodNode(n._actor, _PREFIX + self._name, tuple(args), kwargs, label=label)
-            )
+            if is_user_communicator(transport):
+                # The communicator runs it: each rank's step reads its own input only.
+                node = ClassMethodNode(
+                    n._actor,
+                    _PREFIX + "comm_collective",
+                    (n,),
+                    {"kind": self._name, "op": ReduceOp(op).value, "key": group_key(transport)},
+                    label=label,
+                )
+            else:
+                kwargs = {}
+                if self._name != "allgather":
+                    kwargs["op"] = ReduceOp(op).value
+                if self._name == "reducescatter":
+                    kwargs["rank"] = rank
+                args = _packed(n._actor, nodes)
+                node = ClassMethodNode(
+                    n._actor, _PREFIX + self._name, tuple(args), kwargs, label=label
+                )
+            # What compiling needs to hand it to a communicator (`adag._comm_plan`).
+            node._collective = (self._name, ReduceOp(op).value, rank, nodes, transport)
+            out.append(node)
         return out
 
 

@@ -20,7 +20,7 @@ import weakref
 from collections import deque
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import _native
+from . import _comm_plan, _native
 from ._context import DAGContext
 from .exceptions import CompileError, WrongModeError
 
@@ -44,15 +44,22 @@ def _dumps_code(obj: Any) -> bytes:
 
 
 def _template(
-    args: Sequence[Any], kwargs: Dict[str, Any], num_returns: int = 1
+    args: Sequence[Any],
+    kwargs: Dict[str, Any],
+    num_returns: int = 1,
+    out_device: Optional[str] = None,
 ) -> Tuple[bytes, List[Any]]:
     """The pickled call template of a bound method, and its node arguments in order.
 
-    The template is ``(args, arg_slots, kwargs or None, kw_slots, num_returns)``: positional
-    constants with ``None`` where node argument ``i`` goes (``arg_slots``: ``(position,
-    i)``), likewise for keywords, and how many values the method returns (the worker checks
-    the count when it is more than one). The worker caches it per node and fills in the
-    values of each execution.
+    The template is ``(args, arg_slots, kwargs or None, kw_slots, num_returns, out_device,
+    edges)``: positional constants with ``None`` where node argument ``i`` goes
+    (``arg_slots``: ``(position, i)``), likewise for keywords, how many values the method
+    returns (the worker checks the count when it is more than one), where the readers of the
+    result place its tensors (``out_device``: ``"cpu"``, ``"cuda"``, or ``None`` for each
+    tensor's own device; the node's ``with_tensor_transport(device=...)``), and per node
+    argument ``(the node, as errors name it, its device or None)``: the worker places the
+    tensors of a node argument where that node's annotation says. The worker caches it per
+    node and fills in the values of each execution.
     """
     deps: List[Any] = []
     index: Dict[int, int] = {}
@@ -81,7 +88,18 @@ def _template(
                 kw_slots.append((k, slot(v)))
             else:
                 kw_consts[k] = v
-    return _dumps_code((consts, arg_slots, kw_consts, kw_slots, num_returns)), deps
+    edges = [(_node_text(d), _target_device(d)) for d in deps]
+    return (
+        _dumps_code((consts, arg_slots, kw_consts, kw_slots, num_returns, out_device, edges)),
+        deps,
+    )
+
+
+def _target_device(node: Any) -> Optional[str]:
+    """Where the readers of ``node`` place its tensors (``"cpu"``, ``"cuda"``), or ``None``
+    for the sender's device: its type hint's ``device``."""
+    hint = getattr(node, "_type_hint", None)
+    return None if hint is None else hint._target()
 
 
 class _NodeCounter(pickle.Pickler):
@@ -137,7 +155,8 @@ class DAGNode:
         self._consumers: List["DAGNode"] = []
         # The output node whose compile took this node (a node belongs to one graph).
         self._compiled_by: Optional["weakref.ref[DAGNode]"] = None
-        self._transport: Any = None
+        # A TorchTensorType (with_tensor_transport / with_type_hint), or None.
+        self._type_hint: Any = None
 
     def experimental_compile(
         self,
@@ -175,6 +194,7 @@ class DAGNode:
                 f"`buffer_size_bytes` must be a positive integer, found {_buffer_size_bytes}"
             )
         _check_communicator(_default_communicator)
+        _warn_profiling()
         ctx = DAGContext.get_current()
 
         def pick(value: Any, default: Any) -> Any:
@@ -182,7 +202,8 @@ class DAGNode:
 
         return CompiledDAG(
             self,
-            {
+            default_communicator=_default_communicator,
+            options={
                 "submit_timeout": pick(_submit_timeout, ctx.submit_timeout),
                 "get_timeout": ctx.get_timeout,
                 "max_message_bytes": None,
@@ -205,26 +226,66 @@ class DAGNode:
         _static_shape: bool = False,
         _direct_return: bool = False,
     ) -> "DAGNode":
-        """Ray's transport annotation; returns the node. Every value of this package travels
-        through shared memory (between hosts, TCP), read in place; ``transport`` may be
-        ``"auto"``, ``"shm"``, ``"cpu"``, ``"accelerator"``/``"nccl"`` (no GPU communicator
-        exists for Python values: they too travel through shared memory), or a
-        communicator."""
-        from .experimental.channel.communicator import Communicator
+        """Annotate this node's value as holding torch tensors (Ray's
+        ``with_tensor_transport``); returns the node.
 
-        names = ("auto", "shm", "cpu", "accelerator", "nccl")
-        if not (isinstance(transport, Communicator) or transport in names):
+        ``device`` is where every reader places the tensors: ``"default"`` the sender's
+        device type, ``"cpu"`` host memory, ``"gpu"``/``"cuda"`` the reader's current CUDA
+        device (a ``RuntimeError`` "No CUDA GPUs are available", as Ray's, where it has
+        none). ``transport``: ``"auto"``, ``"shm"``, ``"cpu"``,
+        ``"accelerator"``/``"nccl"`` or a communicator; tensors always travel as their bytes
+        through the graph's channels (shared memory on a host, TCP between hosts; a CUDA
+        tensor through host memory). ``"accelerator"`` is checked at compile as Ray checks
+        it (the writing actor has ``num_gpus``; not on the graph's input). Builds a
+        :class:`~adag.experimental.channel.torch_tensor_type.TorchTensorType` (``ValueError``
+        with Ray's messages for an invalid device or transport).
+        """
+        from .experimental.channel.communicator import Communicator
+        from .experimental.channel.torch_tensor_type import TorchTensorType, _device
+
+        device = _device(device)
+        if isinstance(transport, Communicator):
+            kind: Any = transport
+        elif transport in ("auto", "shm"):
+            kind = TorchTensorType.AUTO
+        elif transport in ("nccl", "accelerator"):
+            kind = TorchTensorType.ACCELERATOR
+        elif transport == "cpu":
+            kind = TorchTensorType.CPU
+        else:
             raise ValueError(
-                f"with_tensor_transport(transport={transport!r}): the transport must be one "
-                f"of {', '.join(repr(n) for n in names)} or a Communicator"
+                f"Invalid transport type: {transport!r}. Use 'auto' (default), 'shm', 'cpu', "
+                "'accelerator' (or 'nccl'), or a Communicator instance"
             )
-        if str(device).lower().split(".")[-1] not in ("default", "cpu", "gpu", "cuda"):
-            raise ValueError(
-                f"with_tensor_transport(device={device!r}): the device must be "
-                "'default', 'cpu', 'gpu' or 'cuda'"
+        return self.with_type_hint(
+            TorchTensorType(
+                transport=kind,
+                device=device,
+                _static_shape=_static_shape,
+                _direct_return=_direct_return,
             )
-        self._transport = transport
+        )
+
+    def with_type_hint(self, typ: Any) -> "DAGNode":
+        """Set this node's type hint (Ray's older API: ``with_type_hint(TorchTensorType(
+        ...))``); returns the node. The node keeps a copy."""
+        import copy
+
+        from .experimental.channel.torch_tensor_type import TorchTensorType
+
+        if not isinstance(typ, TorchTensorType):
+            raise TypeError(
+                f"with_type_hint takes a TorchTensorType (from "
+                "adag.experimental.channel.torch_tensor_type), got "
+                f"{type(typ).__name__}: values other than tensors need no hint"
+            )
+        self._type_hint = copy.deepcopy(typ)
         return self
+
+    @property
+    def type_hint(self) -> Any:
+        """The node's :class:`TorchTensorType`, or ``None`` when it has none."""
+        return self._type_hint
 
     def execute(self, *args: Any, **kwargs: Any) -> Any:
         """Run the graph once without compiling it (Ray's classic ``dag.execute``): each
@@ -237,6 +298,58 @@ class DAGNode:
 
     def _add_consumer(self, node: "DAGNode") -> None:
         self._consumers.append(node)
+
+
+#: Ray's profiling switches that adag does not implement (adag's timeline replaces them).
+_PROFILING_VARIABLES = ("RAY_CGRAPH_ENABLE_TORCH_PROFILING", "RAY_CGRAPH_ENABLE_NVTX_PROFILING")
+
+
+def _warn_profiling() -> None:
+    import warnings
+
+    for name in _PROFILING_VARIABLES:
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            warnings.warn(
+                f"{name} is set, but adag does not support it: no torch profiler or NVTX "
+                "ranges are recorded. adag's timeline records every operation of every actor "
+                "instead: set ADAG_TIMELINE=path.json before experimental_compile() (written "
+                "as Chrome-trace JSON at teardown), or call compiled.timeline() / "
+                "compiled.write_timeline(path) with it set (docs/observability.md)",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def _check_type_hints(nodes: Sequence["DAGNode"]) -> None:
+    """Ray's compile-time checks of the accelerator transport: the graph's input cannot use
+    it (the driver takes part in no communicator), nor can an actor without a GPU unless a
+    communicator of the program's own moves the tensors (it knows what it needs)."""
+    for n in nodes:
+        hint = n._type_hint
+        if hint is None:
+            continue
+        comm = hint.get_custom_communicator()
+        if isinstance(n, (InputNode, InputAttributeNode)):
+            if hint.requires_accelerator() or comm is not None:
+                raise CompileError(
+                    "DAG inputs cannot be transferred via NCCL because the driver cannot "
+                    f"participate in the NCCL group ({_node_text(n)} has transport "
+                    f"{hint.transport!r}): annotate the input with_tensor_transport('auto'), "
+                    "or the node that reads it"
+                )
+            continue
+        if isinstance(n, ClassMethodNode) and hint.requires_accelerator() and comm is None:
+            gpus = getattr(n._actor, "_num_gpus", 0) or 0
+            if not gpus:
+                name = getattr(n._actor, "_class_name", type(n._actor).__name__)
+                raise CompileError(
+                    f"Actor {name} returns a tensor with type hint "
+                    'TorchTensor(transport="accelerator") or '
+                    "TorchTensor(transport=accelerator_group_handle) but actor does not have "
+                    f"an accelerator assigned by Ray ({_node_text(n)}): start the actor with "
+                    ".options(num_gpus=1), or use with_tensor_transport('auto') (adag sends "
+                    "tensors through host memory either way)"
+                )
 
 
 def _check_communicator(comm: Any) -> None:
@@ -731,8 +844,16 @@ class CompiledDAG:
     """A compiled graph (Ray's ``CompiledDAG``): ``execute`` many times, then
     ``teardown`` (also done when it is garbage-collected and at interpreter exit)."""
 
-    def __init__(self, output: DAGNode, options: Dict[str, Any]) -> None:
+    def __init__(
+        self, output: DAGNode, options: Dict[str, Any], default_communicator: Any = None
+    ) -> None:
+        outputs = list(output._outputs) if isinstance(output, MultiOutputNode) else [output]
+        # Nodes a user's communicator serves become its steps (`adag._comm_plan`).
+        self._comm_groups: Dict[str, Any] = _comm_plan.plan(
+            _comm_plan.upstream(outputs), default_communicator
+        )
         walk = _Walk(output)
+        _check_type_hints(walk.nodes)
         self._multi = walk.multi
         outputs = walk.outputs
         order = sorted(
@@ -755,7 +876,9 @@ class CompiledDAG:
 
         specs = []
         for n in order:
-            template, deps = _template(n._args, n._kwargs, n._num_returns)
+            template, deps = _template(
+                n._args, n._kwargs, n._num_returns, _target_device(n)
+            )
             specs.append(
                 (n._actor._native, n._method, template, [arg_index(d) for d in deps], n._label)
             )
@@ -774,16 +897,21 @@ class CompiledDAG:
         self._asyncio = bool(options.get("enable_asyncio"))
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._id = uuid.uuid4().hex
-        self._native = _native.NativeGraph(
-            part_specs,
-            specs,
-            [index[id(o)] for o in outputs],
-            self._multi,
-            options,
-            positional,
-            keywords,
-            self._id,
-        )
+        _comm_plan.initialize(self._comm_groups)
+        try:
+            self._native = _native.NativeGraph(
+                part_specs,
+                specs,
+                [index[id(o)] for o in outputs],
+                self._multi,
+                options,
+                positional,
+                keywords,
+                self._id,
+            )
+        except BaseException:
+            _comm_plan.destroy(self._comm_groups)
+            raise
         marker = weakref.ref(output)
         for n in walk.nodes:
             n._compiled_by = marker
@@ -836,6 +964,11 @@ class CompiledDAG:
         other graphs and one-off calls while their handles do; ``kill_actors=True`` kills
         them (Ray's option)."""
         self._native.teardown()
+        groups, self._comm_groups = self._comm_groups, {}
+        if groups:
+            failed = _comm_plan.destroy(groups)
+            if failed is not None:
+                warnings.warn(f"tearing down {self}: {failed}", RuntimeWarning, stacklevel=2)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None

@@ -102,12 +102,31 @@ _RAY_WORDS = {
 }
 
 
+def _capacity_words(inflight: bool, limit: int) -> str:
+    """Ray's text of a ``RayCgraphCapacityExceeded``: the limit was reached, so the count at
+    the time equals it."""
+    if inflight:
+        return (
+            f"The compiled graph can't have more than {limit} in-flight executions, and you "
+            f"currently have {limit} in-flight executions. Retrieve an output using ray.get "
+            "before submitting more requests or increase `_max_inflight_executions`."
+        )
+    return (
+        f"The compiled graph can't have more than {limit} buffered results, and you currently "
+        f"have {limit} buffered results. Call `ray.get()` on CompiledDAGRef's (or await on "
+        "CompiledDAGFuture's) to retrieve results, or increase `_max_buffered_results` if "
+        "buffering is desired, note that this will increase driver memory usage."
+    )
+
+
 def from_native(kind: str, message: str, fields: tuple) -> BaseException:
     """The exception for an error of the native module (see ``driver.rs``, ``to_py_err``)."""
     message = _pythonic(message)
     if kind == "task":
         return task_error(*fields)
     words = _RAY_WORDS.get(kind)
+    if kind == "capacity" and fields:
+        words = _capacity_words(*fields)
     if words is not None and not message.startswith(words):
         message = f"{words} {message}"
     cls = {

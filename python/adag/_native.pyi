@@ -4,10 +4,17 @@ names of :mod:`adag`."""
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 class ShmBuffer:
-    """Read-only bytes of a received value (often shared memory), with the buffer protocol;
-    valid as long as this object or a view of it (a numpy array) lives."""
+    """Read-only bytes of a received value (often shared memory), or of a tensor about to be
+    sent, with the buffer protocol; valid as long as this object or a view of it (a numpy
+    array, a tensor) lives."""
 
     def __len__(self) -> int: ...
+
+def tensor_bytes(tensor: Any) -> ShmBuffer:
+    """The bytes of a contiguous CPU ``torch.Tensor`` (no conjugate or negative bit), without
+    a copy; the tensor stays alive as long as the result (``adag._codec`` sends nested
+    tensors' bytes out of band with it)."""
+    ...
 
 class NativeActor:
     """A Python actor in its worker process."""

@@ -4,7 +4,7 @@
 //! adag's method tables are static, so `PyActor` exports `call0` .. `call7`: `callN` takes a
 //! [`CallSpec`] (a constant argument of the node: the Python method's name and its constant
 //! arguments) and `N` node arguments, each a [`PyValue`].
-use crate::value::{PyValue, dumps, loads};
+use crate::value::{PyValue, dumps_to, in_argument, loads, loads_to};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use serde::{Deserialize, Serialize};
@@ -136,14 +136,18 @@ impl PyFailure {
 }
 
 /// A call template as pickled by `adag/_dag.py`: positional constants, `(position, node
-/// argument)` pairs, keyword constants, `(keyword, node argument)` pairs, and how many
-/// values the method returns (`num_returns`).
+/// argument)` pairs, keyword constants, `(keyword, node argument)` pairs, how many values
+/// the method returns (`num_returns`), the device its result's tensors go to (the node's
+/// `with_tensor_transport(device=...)`), and per node argument the node it comes from and the
+/// device its tensors go to (that node's annotation).
 type Template<'py> = (
     Bound<'py, PyList>,
     Vec<(usize, usize)>,
     Option<Bound<'py, PyDict>>,
     Vec<(String, usize)>,
     usize,
+    Option<String>,
+    Vec<(String, Option<String>)>,
 );
 
 /// The worker's view of one bound call, built the first time it runs.
@@ -161,6 +165,26 @@ struct Bound_ {
     /// The method returns this many values (Ray's `num_returns`): checked on every call when
     /// more than one.
     num_returns: usize,
+    /// Where the readers place the tensors of the result (`None`: each tensor's own device).
+    out_device: Option<String>,
+    /// Per node argument: the node it is the value of (for errors), and where its tensors
+    /// are placed (`None`: where the value says).
+    edges: Vec<(String, Option<String>)>,
+}
+
+impl Bound_ {
+    /// Node argument `i`, its tensors placed as its edge says.
+    fn decode(&self, py: Python<'_>, method: &str, i: usize, v: &PyValue) -> PyResult<PyObject> {
+        let (source, device) = match self.edges.get(i) {
+            Some((s, d)) => (s.as_str(), d.as_deref()),
+            None => ("", None),
+        };
+        let decoded = match device {
+            None => loads(py, v),
+            Some(_) => loads_to(py, v, device),
+        };
+        decoded.map_err(|e| in_argument(py, e, method, i, source))
+    }
 }
 
 /// A Python actor: an instance of the user's class in this worker process.
@@ -216,25 +240,28 @@ impl PyActor {
             }
         };
         let method = b.method.bind(py);
+        let name = spec.body.method.as_str();
         if b.plain {
             let out = match values {
                 [] => method.call0()?,
-                [a] => method.call1((loads(py, a)?,))?,
+                [a] => method.call1((b.decode(py, name, 0, a)?,))?,
                 _ => {
                     let args = values
                         .iter()
-                        .map(|v| loads(py, v))
+                        .enumerate()
+                        .map(|(i, v)| b.decode(py, name, i, v))
                         .collect::<PyResult<Vec<_>>>()?;
                     method.call1(PyTuple::new(py, args)?)?
                 }
             };
             check_returns(&out, b.num_returns)?;
-            return dumps(py, &out);
+            return dumps_to(py, &out, b.out_device.as_deref());
         }
         let mut args: Vec<PyObject> = b.args.iter().map(|a| a.clone_ref(py)).collect();
         let mut values: Vec<Option<PyObject>> = values
             .iter()
-            .map(|v| loads(py, v).map(Some))
+            .enumerate()
+            .map(|(i, v)| b.decode(py, name, i, v).map(Some))
             .collect::<PyResult<_>>()?;
         for &(pos, i) in &b.arg_slots {
             args[pos] = take(py, &mut values, i);
@@ -252,7 +279,7 @@ impl PyActor {
         };
         let out = method.call(args, kwargs.as_ref())?;
         check_returns(&out, b.num_returns)?;
-        dumps(py, &out)
+        dumps_to(py, &out, b.out_device.as_deref())
     }
 }
 
@@ -290,8 +317,10 @@ fn prepare(instance: &PyObject, py: Python<'_>, spec: &CallSpec) -> PyResult<Bou
         .import("pickle")?
         .getattr("loads")?
         .call1((pyo3::types::PyBytes::new(py, &spec.body.template),))?;
-    // (args, arg_slots, kwargs or None, kw_slots, num_returns): see adag/_dag.py.
-    let (args, arg_slots, kwargs, kw_slots, num_returns): Template<'_> = t.extract()?;
+    // (args, arg_slots, kwargs or None, kw_slots, num_returns, out_device, edges): see
+    // adag/_dag.py.
+    let (args, arg_slots, kwargs, kw_slots, num_returns, out_device, edges): Template<'_> =
+        t.extract()?;
     let args: Vec<PyObject> = args.iter().map(Bound::unbind).collect();
     let plain = kwargs.is_none()
         && kw_slots.is_empty()
@@ -308,6 +337,8 @@ fn prepare(instance: &PyObject, py: Python<'_>, spec: &CallSpec) -> PyResult<Bou
         kw_slots,
         plain,
         num_returns,
+        out_device,
+        edges,
     })
 }
 

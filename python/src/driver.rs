@@ -64,7 +64,18 @@ pub fn to_py_err(py: Python<'_>, e: Error) -> PyErr {
         }
         Error::ActorDied { .. } | Error::Spawn { .. } => ("actor_died", vec![]),
         Error::Timeout { .. } => ("timeout", vec![]),
-        Error::CapacityExceeded { .. } => ("capacity", vec![]),
+        Error::CapacityExceeded { capacity, limit } => (
+            "capacity",
+            vec![
+                matches!(capacity, adag::Capacity::InflightExecutions)
+                    .into_pyobject(py)
+                    .unwrap()
+                    .to_owned()
+                    .into_any()
+                    .unbind(),
+                limit.into_pyobject(py).unwrap().into_any().unbind(),
+            ],
+        ),
         Error::TornDown { .. } => ("closed", vec![]),
         Error::WrongMode { .. } => ("wrong_mode", vec![]),
         Error::Compile { .. }

@@ -5,7 +5,8 @@
 //! A Python actor is one Rust actor type, [`actor::PyActor`], in a worker process started as
 //! `python -c "import adag._native as m; m._worker_main()"` (see
 //! [`adag::set_worker_command`]); values travel as [`value::PyValue`]s: pickle protocol 5
-//! with out-of-band buffers read in place from shared memory.
+//! with out-of-band buffers read in place from shared memory (numpy arrays and torch tensors
+//! as their bytes).
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod actor;
@@ -54,5 +55,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<value::ShmBuffer>()?;
     m.add_class::<value::OutputBuffer>()?;
     m.add_function(wrap_pyfunction!(value::output_buffer, m)?)?;
+    m.add_function(wrap_pyfunction!(value::tensor_bytes, m)?)?;
     Ok(())
 }

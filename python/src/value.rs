@@ -1,12 +1,15 @@
 //! Python values on graph edges: pickle protocol 5 with out-of-band buffers, each an adag
-//! [`Buffer`] (read in place from shared memory by the reading process).
+//! [`Buffer`] (read in place from shared memory by the reading process). torch tensors travel
+//! as their bytes too: a top-level one as [`Kind::Tensor`], nested ones through the package's
+//! codec (`adag/_codec.py`), whose pickler takes their bytes out of band.
 use adag::Buffer;
 use bytes::Bytes;
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::PyBufferError;
+use pyo3::exceptions::{PyBufferError, PyTypeError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyByteArray, PyBytes, PyList, PyMemoryView, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView, PyTuple, PyType};
 use serde::{Deserialize, Serialize};
 use std::os::raw::c_int;
 
@@ -43,6 +46,23 @@ pub enum Kind {
     Float(f64),
     /// A `str`: its UTF-8 bytes are `data`.
     Str,
+    /// A `torch.Tensor` (or `torch.nn.Parameter`) with plain bytes: its contiguous bytes are
+    /// `data`; the reader makes a tensor whose storage is them (`torch.frombuffer`), with no
+    /// pickling either way.
+    Tensor {
+        /// The dtype's name in `torch` (`float32`, `bfloat16`).
+        dtype: String,
+        /// The tensor's shape (empty: a 0-dim tensor).
+        shape: Vec<usize>,
+        /// Whether the sender's tensor required grad (the received one does too).
+        requires_grad: bool,
+        /// The device type the reader places it on (`cpu`, `cuda`): the sender's, unless the
+        /// edge's `with_tensor_transport(device=...)` says otherwise. A CUDA tensor's bytes
+        /// travel through host memory.
+        device: String,
+        /// A `torch.nn.Parameter` (arrives as one).
+        parameter: bool,
+    },
 }
 
 /// One Python object as it travels along an edge. Every `Buffer` of at least 16 KiB travels
@@ -89,6 +109,243 @@ fn buffer_of(obj: &Bound<'_, PyAny>) -> PyResult<Buffer> {
         return Ok(Buffer::copy_from_slice(HeldBuffer(buf).as_ref()));
     }
     Ok(Buffer::from(Bytes::from_owner(HeldBuffer(buf))))
+}
+
+/// A contiguous CPU tensor held alive, so that its bytes stay valid and in place while Rust
+/// reads them.
+struct HeldTensor {
+    /// Taken (and released with the GIL held) on drop.
+    tensor: Option<PyObject>,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is only read (`as_ref`), and the memory it points to belongs to the
+// tensor held beside it, which any thread may keep; the tensor object itself is touched only
+// on drop, with the GIL held.
+unsafe impl Send for HeldTensor {}
+
+impl AsRef<[u8]> for HeldTensor {
+    fn as_ref(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `tensor_buffer` checked that the tensor is an exact `torch.Tensor` on the
+        // CPU, contiguous, with no conjugate or negative bit, so its `nbytes` bytes lie in
+        // order from `data_ptr()` inside its storage. The storage is reference-counted by the
+        // tensor held in `self`, so it is not freed while `self` lives; its memory moves or is
+        // freed only when that storage is resized (`resize_`/`set_` on a tensor sharing it),
+        // which is the one thing a program must not do to a tensor it has handed to a graph
+        // until the value is read (the precondition torch's own `Tensor.numpy()` views carry).
+        // The bytes are only read here.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for HeldTensor {
+    fn drop(&mut self) {
+        if let Some(t) = self.tensor.take() {
+            // Released now, not whenever this process next takes the GIL: a large tensor's
+            // memory goes back at once.
+            Python::with_gil(|_| drop(t));
+        }
+    }
+}
+
+/// `torch.Tensor` and `torch.nn.Parameter`, the types that travel as their bytes.
+struct TorchTypes {
+    tensor: Py<PyType>,
+    parameter: Py<PyType>,
+}
+
+/// torch's tensor types once this process has torch loaded; `None` before, without
+/// importing it (a value can hold a tensor only in a process that has torch).
+fn torch_types(py: Python<'_>) -> PyResult<Option<&'static TorchTypes>> {
+    static TORCH: GILOnceCell<TorchTypes> = GILOnceCell::new();
+    static MODULES: GILOnceCell<Py<PyDict>> = GILOnceCell::new();
+    if let Some(t) = TORCH.get(py) {
+        return Ok(Some(t));
+    }
+    let modules = MODULES.get_or_try_init(py, || {
+        Ok::<_, PyErr>(
+            py.import("sys")?
+                .getattr("modules")?
+                .downcast_into::<PyDict>()?
+                .unbind(),
+        )
+    })?;
+    let Some(torch) = modules.bind(py).get_item("torch")? else {
+        return Ok(None);
+    };
+    // `torch` is in sys.modules from the start of its import: until `torch.nn` is there too,
+    // no tensor has been made, and nothing is cached.
+    let types = (|| -> PyResult<TorchTypes> {
+        Ok(TorchTypes {
+            tensor: torch.getattr("Tensor")?.downcast_into::<PyType>()?.unbind(),
+            parameter: torch
+                .getattr("nn")?
+                .getattr("Parameter")?
+                .downcast_into::<PyType>()?
+                .unbind(),
+        })
+    })();
+    match types {
+        Ok(t) => {
+            let _ = TORCH.set(py, t);
+            Ok(TORCH.get(py))
+        }
+        Err(_) => Ok(None),
+    }
+}
+
+/// The package's codec (`adag/_codec.py`), imported the first time a value needs it (a
+/// process with torch loaded, or a tensor received).
+struct Codec {
+    dumps: PyObject,
+    loads: PyObject,
+    tensor_parts: PyObject,
+    tensor_from: PyObject,
+    in_argument: PyObject,
+}
+
+fn codec(py: Python<'_>) -> PyResult<&'static Codec> {
+    static CODEC: GILOnceCell<Codec> = GILOnceCell::new();
+    CODEC.get_or_try_init(py, || {
+        let m = py.import("adag._codec")?;
+        Ok(Codec {
+            dumps: m.getattr("dumps")?.unbind(),
+            loads: m.getattr("loads")?.unbind(),
+            tensor_parts: m.getattr("tensor_parts")?.unbind(),
+            tensor_from: m.getattr("tensor_from")?.unbind(),
+            in_argument: m.getattr("in_argument")?.unbind(),
+        })
+    })
+}
+
+/// The bytes of `t`, a contiguous CPU `torch.Tensor`, without a copy (a copy when small).
+fn tensor_buffer(py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<Buffer> {
+    let exact = match torch_types(py)? {
+        Some(torch) => t.get_type().is(torch.tensor.bind(py)),
+        None => false,
+    };
+    // Checked here, not trusted from the caller: the pointer read below must start the
+    // tensor's `nbytes` bytes, in order, in memory the tensor holds.
+    if !exact
+        || !t.getattr(intern!(py, "is_cpu"))?.is_truthy()?
+        || !t.call_method0(intern!(py, "is_contiguous"))?.is_truthy()?
+        || t.call_method0(intern!(py, "is_conj"))?.is_truthy()?
+        || t.call_method0(intern!(py, "is_neg"))?.is_truthy()?
+    {
+        return Err(PyTypeError::new_err(format!(
+            "adag sends the bytes of a contiguous CPU torch.Tensor without conjugate or \
+             negative bit, and got {}: make it one first (adag._codec.tensor_parts does)",
+            t.repr()
+                .map_or_else(|_| "another object".into(), |r| r.to_string())
+        )));
+    }
+    let len: usize = t.getattr(intern!(py, "nbytes"))?.extract()?;
+    if len == 0 {
+        return Ok(Buffer::new());
+    }
+    let held = HeldTensor {
+        ptr: t
+            .call_method0(intern!(py, "data_ptr"))?
+            .extract::<usize>()? as *const u8,
+        len,
+        tensor: Some(t.clone().unbind()),
+    };
+    if len < SMALL {
+        // Small: a copy is cheaper than holding the tensor (whose release needs the GIL).
+        return Ok(Buffer::copy_from_slice(held.as_ref()));
+    }
+    Ok(Buffer::from(Bytes::from_owner(held)))
+}
+
+/// The bytes of a contiguous CPU `torch.Tensor`, read-only, without a copy: the codec wraps
+/// them in a `pickle.PickleBuffer`, so that a nested tensor's bytes go out of band. The
+/// tensor stays alive as long as the returned object (and any view of it).
+#[pyfunction]
+pub fn tensor_bytes(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<ShmBuffer> {
+    Ok(ShmBuffer(tensor_buffer(py, tensor)?))
+}
+
+/// A `torch.Tensor` or `torch.nn.Parameter` (exactly: subclasses may carry state of their
+/// own, and are pickled) that travels as its bytes. `device`: where the reader places it
+/// (`None`: the tensor's own device type).
+fn tensor(
+    py: Python<'_>,
+    torch: &TorchTypes,
+    obj: &Bound<'_, PyAny>,
+    device: Option<&str>,
+) -> PyResult<Option<PyValue>> {
+    let ty = obj.get_type();
+    if !ty.is(torch.tensor.bind(py)) && !ty.is(torch.parameter.bind(py)) {
+        return Ok(None);
+    }
+    let parts = codec(py)?.tensor_parts.bind(py).call1((obj, device))?;
+    if parts.is_none() {
+        // No plain bytes (sparse, quantized, ...): torch pickles it.
+        return Ok(None);
+    }
+    let (held, dtype, shape, requires_grad, device, parameter): (
+        Bound<'_, PyAny>,
+        String,
+        Vec<usize>,
+        bool,
+        String,
+        bool,
+    ) = parts.extract()?;
+    Ok(Some(PyValue {
+        kind: Kind::Tensor {
+            dtype,
+            shape,
+            requires_grad,
+            device,
+            parameter,
+        },
+        data: tensor_buffer(py, &held)?,
+        oob: Vec::new(),
+    }))
+}
+
+/// Pickle with the codec (a process with torch loaded): tensors inside go out of band.
+fn codec_dumps(py: Python<'_>, obj: &Bound<'_, PyAny>, device: Option<&str>) -> PyResult<PyValue> {
+    let (stream, buffers): (Bound<'_, PyAny>, Bound<'_, PyList>) =
+        codec(py)?.dumps.bind(py).call1((obj, device))?.extract()?;
+    let mut oob = Vec::with_capacity(buffers.len());
+    for b in buffers.iter() {
+        let raw = b.call_method0(intern!(py, "raw"))?;
+        // A tensor's bytes are a `Buffer` already (`tensor_bytes`): shared, not wrapped again.
+        let shared = raw
+            .getattr(intern!(py, "obj"))
+            .ok()
+            .and_then(|o| o.downcast_into::<ShmBuffer>().ok())
+            .filter(|s| raw.len().is_ok_and(|n| n == s.get().0.len()))
+            .map(|s| s.get().0.clone());
+        oob.push(match shared {
+            Some(buf) => buf,
+            None => buffer_of(&raw)?,
+        });
+    }
+    Ok(PyValue {
+        kind: Kind::Pickle,
+        data: buffer_of(&stream)?,
+        oob,
+    })
+}
+
+/// A node argument could not be decoded: the error, saying which argument of which method
+/// and whose value it is when it is a tensor that cannot be placed on a GPU.
+pub fn in_argument(py: Python<'_>, err: PyErr, method: &str, index: usize, source: &str) -> PyErr {
+    let described = codec(py).and_then(|c| {
+        c.in_argument
+            .bind(py)
+            .call1((err.value(py), method, index, source))
+    });
+    match described {
+        Ok(e) => PyErr::from_value(e),
+        Err(_) => err,
+    }
 }
 
 struct Pickle {
@@ -222,6 +479,15 @@ fn scalar(obj: &Bound<'_, PyAny>) -> Option<PyValue> {
 /// numpy array as its bytes, `bytes`/`bytearray`/`memoryview` as themselves, anything else
 /// pickled (protocol 5, out-of-band buffers kept apart).
 pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
+    dumps_to(py, obj, None)
+}
+
+/// [`dumps`], and with torch loaded: a top-level CPU tensor as its bytes
+/// ([`Kind::Tensor`]), anything else pickled by the codec (`adag/_codec.py`), which takes the
+/// bytes of the tensors inside out of band. `device` (`cpu`, `cuda`): where the reader is to
+/// place the tensors (the writing node's `with_tensor_transport(device=...)`); `None`: each
+/// tensor's own device type.
+pub fn dumps_to(py: Python<'_>, obj: &Bound<'_, PyAny>, device: Option<&str>) -> PyResult<PyValue> {
     if let Some(v) = scalar(obj) {
         return Ok(v);
     }
@@ -254,6 +520,12 @@ pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
     if let Some(v) = ndarray(py, obj)? {
         return Ok(v);
     }
+    let torch = torch_types(py)?;
+    if let Some(torch) = torch
+        && let Some(v) = tensor(py, torch, obj, device)?
+    {
+        return Ok(v);
+    }
     let p = pickle(py)?;
     if is_plain(obj) {
         // No buffer to take out of band: no callback to build.
@@ -263,6 +535,9 @@ pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
             data: buffer_of(&stream)?,
             oob: Vec::new(),
         });
+    }
+    if torch.is_some() {
+        return codec_dumps(py, obj, device);
     }
     let buffers = PyList::empty(py);
     let kwargs = pyo3::types::PyDict::new(py);
@@ -294,6 +569,12 @@ pub fn dumps(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyValue> {
 /// Unpickle a value; its out-of-band buffers become [`ShmBuffer`]s, so a numpy array is a
 /// view of the memory the value arrived in (shared memory between processes).
 pub fn loads(py: Python<'_>, v: &PyValue) -> PyResult<PyObject> {
+    loads_to(py, v, None)
+}
+
+/// [`loads`], placing the torch tensors inside on `device` (`cpu`, `cuda`) rather than where
+/// the value says: the reading edge's `with_tensor_transport(device=...)`.
+pub fn loads_to(py: Python<'_>, v: &PyValue, device: Option<&str>) -> PyResult<PyObject> {
     match &v.kind {
         Kind::None => Ok(py.None()),
         Kind::Bool(b) => Ok(pyo3::types::PyBool::new(py, *b)
@@ -316,11 +597,49 @@ pub fn loads(py: Python<'_>, v: &PyValue) -> PyResult<PyObject> {
                 .call_method1("reshape", (PyTuple::new(py, shape)?,))?
                 .unbind())
         }
+        Kind::Tensor {
+            dtype,
+            shape,
+            requires_grad,
+            device: sent,
+            parameter,
+        } => {
+            let data = if v.data.is_empty() {
+                py.None().into_bound(py)
+            } else {
+                Bound::new(py, ShmBuffer(v.data.clone()))?.into_any()
+            };
+            codec(py)?
+                .tensor_from
+                .bind(py)
+                .call1((
+                    data,
+                    dtype.as_str(),
+                    PyTuple::new(py, shape)?,
+                    *requires_grad,
+                    device.unwrap_or(sent),
+                    *parameter,
+                ))
+                .map(Bound::unbind)
+        }
         Kind::Bytes => Ok(PyBytes::new(py, &v.data).into_any().unbind()),
         Kind::ByteArray => Ok(PyByteArray::new(py, &v.data).into_any().unbind()),
         Kind::MemoryView => {
             let data = Bound::new(py, ShmBuffer(v.data.clone()))?;
             Ok(PyMemoryView::from(data.as_any())?.into_any().unbind())
+        }
+        Kind::Pickle if device.is_some() => {
+            let data = Bound::new(py, ShmBuffer(v.data.clone()))?;
+            let bufs = v
+                .oob
+                .iter()
+                .map(|b| Bound::new(py, ShmBuffer(b.clone())))
+                .collect::<PyResult<Vec<_>>>()?;
+            codec(py)?
+                .loads
+                .bind(py)
+                .call1((data, PyTuple::new(py, bufs)?, device))
+                .map(Bound::unbind)
         }
         Kind::Pickle => {
             let p = pickle(py)?;
@@ -348,9 +667,9 @@ pub fn loads(py: Python<'_>, v: &PyValue) -> PyResult<PyObject> {
     }
 }
 
-/// Read-only bytes of a value that arrived through a channel (often in shared memory),
-/// exposed with the buffer protocol; kept valid as long as this object (or a view of it, such
-/// as a numpy array) lives.
+/// Read-only bytes of a value that arrived through a channel (often in shared memory), or of
+/// a tensor about to be sent ([`tensor_bytes`]), exposed with the buffer protocol; kept valid
+/// as long as this object (or a view of it, such as a numpy array or a tensor) lives.
 #[pyclass(module = "adag._native", frozen)]
 pub struct ShmBuffer(pub Buffer);
 

@@ -1,5 +1,6 @@
 """Actor classes of the tests, in a module of their own: workers import them by reference."""
 import os
+import sys
 import time
 
 
@@ -52,10 +53,17 @@ class Echo:
     def kind(self, x):
         return type(x).__name__, len(x)
 
+    def loaded(self, module):
+        """Whether this worker has imported `module`."""
+        return module in sys.modules
+
 
 class Broken:
     def __init__(self):
         raise RuntimeError("constructor says no")
+
+    def echo(self, x):
+        return x
 
 
 def host_name():

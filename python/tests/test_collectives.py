@@ -80,8 +80,26 @@ def test_collective_inputs_must_be_distinct_actors(workers):
     with InputNode() as inp:
         a = workers[0].echo.bind(inp)
         b = workers[0].echo.bind(inp)
-        with pytest.raises(ValueError, match="distinct actor"):
+        with pytest.raises(ValueError, match="distinct actor") as info:
             allreduce.bind([a, b])
+        assert str(info.value).startswith(
+            "Expected unique actor handles for a collective operation, but found duplicate "
+            "actor handles from input nodes"
+        )
+
+
+def test_a_communicator_of_other_actors_is_refused_in_rays_words(workers):
+    from adag.experimental.channel.cpu_communicator import CPUCommunicator
+
+    comm = CPUCommunicator(2, [workers[0], workers[2]])
+    with InputNode() as inp:
+        a = workers[0].echo.bind(inp)
+        b = workers[1].echo.bind(inp)
+        with pytest.raises(ValueError) as info:
+            allreduce.bind([a, b], transport=comm)
+        assert str(info.value).startswith(
+            "Expected actor handles to match the custom communicator group"
+        )
 
 
 def test_packs_nest_for_any_number_of_participants():

@@ -58,9 +58,18 @@ def test_one_off_call_error():
         adag.get(a.fail.remote(1))
 
 
-def test_constructor_failure_is_actor_died():
+def test_constructor_failure_is_actor_died_at_first_use():
+    """As in Ray: ``.remote()`` returns the handle; its first use raises ActorDiedError
+    with the constructor's traceback (a program's ``try`` around its first call catches it)."""
+    broken = adag.remote(Broken).remote()
+    ref = broken.echo.remote(1)
+    with pytest.raises(adag.ActorDiedError, match="constructor says no") as info:
+        adag.get(ref)
+    assert str(info.value).startswith(
+        "The actor died because of an error raised in its creation task"
+    ), str(info.value)
     with pytest.raises(adag.ActorDiedError, match="constructor says no"):
-        adag.remote(Broken).remote()
+        broken.echo.bind(1)
 
 
 def test_actor_death_fails_the_graph():
@@ -111,8 +120,14 @@ def test_capacity_exceeded():
     try:
         r1 = compiled.execute(1)
         r2 = compiled.execute(2)
-        with pytest.raises(adag.CapacityExceededError, match="_max_inflight_executions"):
+        with pytest.raises(adag.CapacityExceededError, match="_max_inflight_executions") as info:
             compiled.execute(3)
+        # Ray's words first (programs match on them), adag's explanation after.
+        assert str(info.value).startswith(
+            "The compiled graph can't have more than 2 in-flight executions, and you currently "
+            "have 2 in-flight executions. Retrieve an output using ray.get before submitting "
+            "more requests or increase `_max_inflight_executions`."
+        ), str(info.value)
         assert adag.get([r1, r2]) == [1, 2]
         assert compiled.execute(3).get() == 3
     finally:
@@ -188,5 +203,23 @@ def test_multi_output_error_fails_every_ref_of_the_execution():
         for r in refs:
             with pytest.raises(ValueError, match="bad value 1"):
                 r.get()
+    finally:
+        compiled.teardown()
+
+
+def test_buffered_results_exceeded_in_rays_words():
+    a = EchoActor.remote()
+    with InputNode() as inp:
+        dag = a.echo.bind(inp)
+    compiled = dag.experimental_compile(_max_inflight_executions=8, _max_buffered_results=2)
+    try:
+        refs = [compiled.execute(i) for i in range(5)]
+        with pytest.raises(adag.CapacityExceededError) as info:
+            refs[4].get(timeout=30)
+        assert str(info.value).startswith(
+            "The compiled graph can't have more than 2 buffered results, and you currently "
+            "have 2 buffered results. Call `ray.get()` on CompiledDAGRef's"
+        ), str(info.value)
+        assert [r.get(timeout=30) for r in refs[:4]] == [0, 1, 2, 3]
     finally:
         compiled.teardown()

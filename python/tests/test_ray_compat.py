@@ -458,8 +458,9 @@ def test_classes_pickled_by_value_keep_their_source(tmp_path):
             except ZeroDivisionError as e:
                 print("TASK", str(e))
             compiled.teardown()
+            refused = Stage.remote(True)
             try:
-                Stage.remote(True)
+                ray.get(refused.run.remote(1))
             except ray.exceptions.ActorDiedError as e:
                 print("CTOR", str(e))
             """

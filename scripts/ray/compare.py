@@ -19,7 +19,9 @@ faster. Without Ray (no venv, or `import ray` fails) it measures adag alone and 
 adag's Python package (`python/`, installed in target/py-venv by `.ci/run` or
 `pip install ./python`) runs the same Python workloads (`workloads.py --system adag`) in every
 round too, and gets a second table beside Ray (both in Python): `--py-python` names its
-interpreter, `--no-py` skips it.
+interpreter, `--no-py` skips it. The torch rows of that table (`torch_echo_100MiB`,
+`intermediate_tensors`, with and without `with_tensor_transport()`) are also printed against
+the numpy row of the same bytes, per system.
 """
 
 import argparse
@@ -183,6 +185,32 @@ def targets(adag, ray, py):
     ])
 
 
+#: torch rows of workloads.py and the numpy row of the same bytes each is read against.
+TENSOR_ROWS = [
+    ("torch_echo_100MiB", "payload_100MiB"),
+    ("torch_echo_100MiB_transport", "payload_100MiB"),
+    ("intermediate_tensors", "intermediate_numpy"),
+    ("intermediate_tensors_transport", "intermediate_numpy"),
+]
+
+
+def tensor_lines(py, ray):
+    """torch CPU tensors against numpy arrays of the same size, per system, from this run:
+    p50 of the tensor row / p50 of the numpy row (1 = as fast; `_transport`: with
+    `with_tensor_transport()`)."""
+    lines = []
+    for name, rows in (("adag-py", py), ("Ray", ray)):
+        for tensor, numpy in TENSOR_ROWS:
+            t, n = rows.get(f"{tensor}/process") or {}, rows.get(f"{numpy}/process") or {}
+            if not t and not n:
+                continue
+            r = ratio(t.get("p50_us"), n.get("p50_us"))
+            shown = t.get("note", "-") if t.get("p50_us") is None else f"{fmt(t.get('p50_us'))} µs"
+            lines.append(f"- {name} {tensor}: {shown} against {numpy} {fmt(n.get('p50_us'))} µs "
+                         f"(ratio {fmt_ratio(r)})")
+    return "\n".join(lines) if lines else "- not measured"
+
+
 def plot(adag, ray, path, title):
     import matplotlib
 
@@ -312,6 +340,8 @@ def main():
         print(f"Ray left {', '.join(map(str, leaks))} sem.* files in /dev/shm per round (workloads.py removed them)")
     print("\nSpeed targets (docs/benchmarks.md), from this run:")
     print(targets(adag, ray, py))
+    print("\ntorch CPU tensors against numpy arrays of the same bytes (p50; ratio 1 = as fast):")
+    print(tensor_lines(py, ray))
     print("\nratios are adag / Ray: for p50 lower is better (below 1: adag faster); "
           "for /s higher is better (above 1: adag faster). Medians of "
           f"{args.rounds} alternating round(s).")

@@ -337,6 +337,70 @@ class Bench:
                 row["note"] = f"{gbps:.2f} GB/s: {note}"
                 self.push(row)
 
+    def tensors(self):
+        """torch CPU tensors echoed by one actor: `torch_echo_100MiB` (one 100 MiB float32
+        tensor) and `intermediate_tensors` (a tuple of two 16 MiB float32 tensors, vLLM's
+        pipeline hand-off), each plain and with `with_tensor_transport()` on both edges
+        (`_transport`); `intermediate_numpy` is the same tuple of numpy arrays, for
+        comparison (`payload_100MiB` is the numpy counterpart of the first)."""
+        cases = [
+            ("torch_echo_100MiB", 100 << 20, 1, "torch"),
+            ("intermediate_tensors", 32 << 20, 2, "torch"),
+            ("intermediate_numpy", 32 << 20, 2, "numpy"),
+        ]
+        variants = [(name, size, parts, lib, False) for name, size, parts, lib in cases]
+        variants += [(name + "_transport", size, parts, lib, True)
+                     for name, size, parts, lib in cases if lib == "torch"]
+        keys = [f"{v[0]}/process" for v in variants]
+        if not any(self.wants(k) for k in keys):
+            return
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        (a,) = self.spawn(1, 0)
+        for (name, size, parts, lib, annotated), key in zip(variants, keys):
+            if not self.wants(key):
+                continue
+            if lib == "torch" and torch is None:
+                self.push(Measured().row(name, "n/a: torch is not installed"))
+                continue
+            n = size // parts // 4
+            if lib == "torch":
+                items = [torch.full((n,), float(i + 1)) for i in range(parts)]
+            else:
+                items = [np.full(n, float(i + 1), dtype=np.float32) for i in range(parts)]
+            value = items[0] if parts == 1 else tuple(items)
+            with InputNode() as inp:
+                src = inp.with_tensor_transport() if annotated else inp
+                out = a.echo.bind(src)
+                if annotated:
+                    out = out.with_tensor_transport()
+            # One slot holds the whole value (every buffer then read in place), as in payloads.
+            dag = out.experimental_compile(_buffer_size_bytes=size + (1 << 16), _max_inflight_executions=2)
+            count = min(self.sync, max(self.payload_bytes // size, 3))
+
+            def f(i):
+                v = ray.get(dag.execute(value))
+                got = [v] if parts == 1 else list(v)
+                expect(len(got) == parts and all(g.shape == (n,) and float(g[-1]) == k + 1 for k, g in enumerate(got)),
+                       lambda: f"{name} returned {type(v).__name__}")
+                del v, got  # a zero-copy result pins its channel buffer until released
+
+            try:
+                m = timed(min(self.warmup(count), count), count, f, settle_s=0)
+            except Exception as e:  # a system that cannot run it gets a row that says why
+                dag.teardown()
+                self.push(Measured().row(name, f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+                continue
+            dag.teardown()
+            row = m.row(name, "")
+            gbps = size / (row["p50_us"] * 1e-6) / 1e9
+            row["gb_per_s"] = gbps
+            what = f"{parts} x {size // parts >> 20} MiB {lib}" + (", with_tensor_transport()" if annotated else "")
+            row["note"] = f"{gbps:.2f} GB/s: {what}"
+            self.push(row)
+
     def async_echo(self):
         if not self.wants("async_echo/process"):
             return
@@ -469,7 +533,8 @@ def main():
     print(f"{SYSTEM} {ray.__version__}: {os.cpu_count()} CPU(s)", file=sys.stderr, flush=True)
     b = Bench(args)
     try:
-        for step in (b.echo, b.call, b.chain3, b.fanout4, b.payloads, b.transforms, b.async_echo, b.compile):
+        for step in (b.echo, b.call, b.chain3, b.fanout4, b.payloads, b.transforms, b.tensors, b.async_echo,
+                     b.compile):
             step()
             b.free_actors()  # keep at most the current workload's actors alive on 2 cores
     finally:

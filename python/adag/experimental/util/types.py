@@ -7,8 +7,9 @@ from ..._collective import ReduceOp
 
 
 class Device(enum.Enum):
-    """Where a received tensor is placed (Ray's ``Device``); adag's Python values always
-    arrive in host memory."""
+    """Where a received tensor is placed (Ray's ``Device``): ``DEFAULT`` the sender's device
+    type, ``CPU`` host memory, ``GPU``/``CUDA`` the reader's current CUDA device
+    (``with_tensor_transport(device=...)``, :class:`~adag.experimental.channel.torch_tensor_type.TorchTensorType`)."""
 
     DEFAULT = "default"
     CPU = "cpu"
