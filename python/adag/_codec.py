@@ -220,10 +220,22 @@ def in_argument(exc: BaseException, method: str, index: int, source: str) -> Bas
     ``source``): the exception to report, saying which value when a tensor could not be
     placed on a GPU (others as they are)."""
     what = getattr(exc, "_adag_tensor", None)
-    if what is None or not isinstance(exc, RuntimeError):
-        return exc
     where = f"argument {index} of {method} (the value of {source})"
-    return RuntimeError(_no_gpu_message(what, where))
+    if what is not None and isinstance(exc, RuntimeError):
+        return RuntimeError(_no_gpu_message(what, where))
+    # The method never ran: say so, which value and why, in one line (the unpickler's
+    # frames tell the user nothing).
+    text = (
+        f"cannot decode {where} in this worker: {type(exc).__name__}: {exc} (the value was "
+        "encoded where it was made and does not rebuild here: is its class importable in the "
+        "worker, and the same version on both sides?)"
+    )
+    try:
+        decoded = type(exc)(text)
+    except Exception:
+        decoded = RuntimeError(text)
+    decoded.__suppress_context__ = True
+    return decoded
 
 
 def _rebuild_tensor(

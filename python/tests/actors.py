@@ -79,3 +79,14 @@ class Where(Echo):
 
     def step(self, x):
         return x + self.offset
+
+
+def _refuse_to_rebuild(why):
+    raise ValueError(why)
+
+
+class Unrebuildable:
+    """A value that pickles, and whose unpickling fails (in any process)."""
+
+    def __reduce__(self):
+        return (_refuse_to_rebuild, ("this value does not rebuild",))

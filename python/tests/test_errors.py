@@ -223,3 +223,23 @@ def test_buffered_results_exceeded_in_rays_words():
         assert [r.get(timeout=30) for r in refs[:4]] == [0, 1, 2, 3]
     finally:
         compiled.teardown()
+
+
+def test_a_value_the_worker_cannot_decode_fails_the_method_naming_the_argument():
+    from actors import Unrebuildable
+
+    a = EchoActor.remote()
+    with InputNode() as inp:
+        dag = a.add.bind(1, inp)
+    compiled = dag.experimental_compile()
+    try:
+        with pytest.raises(adag.TaskError) as info:
+            compiled.execute(Unrebuildable()).get(timeout=30)
+        text = str(info.value)
+        assert "cannot decode argument 0 of add" in text, text
+        assert "this value does not rebuild" in text, text
+        assert isinstance(info.value.cause, ValueError)
+        # The graph goes on.
+        assert compiled.execute(2).get(timeout=30) == 3
+    finally:
+        compiled.teardown()
