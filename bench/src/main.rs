@@ -16,8 +16,13 @@
 mod floor;
 
 use adag::Buffer;
-use adag::{ActorHandle, CompileOptions, CompiledGraph, IntoOutputs, Placement, RefSet, Runtime};
-use adag_bench::{Stage, chain, fanout, payload_echo, payload_transform, spawn_stages, xor_into};
+use adag::{
+    ActorHandle, CompileOptions, CompiledGraph, Dag, IntoOutputs, Placement, RefSet, Runtime,
+    Transport,
+};
+use adag_bench::{
+    Shard, Stage, chain, fanout, payload_echo, payload_transform, spawn_stages, xor_into,
+};
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
 use hdrhistogram::Histogram;
@@ -27,6 +32,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 mod hosts;
+mod scale;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -52,6 +58,10 @@ struct Args {
     /// buffers to the payload.
     #[arg(long)]
     buffer_bytes: Option<usize>,
+    /// Run the scale benchmark instead (chains of 4 to 1,024 actors, fan-out, the futex
+    /// floor; with --quick the small sizes only). See bench/src/scale.rs.
+    #[arg(long)]
+    scale: bool,
 }
 
 /// How many iterations each kind of workload runs.
@@ -605,6 +615,68 @@ impl Bench {
         Ok(())
     }
 
+    /// A 16 MiB f32 tensor edge between two process actors (`Shard::grad`, a tensor it holds,
+    /// to `Shard::apply`, which returns one element of it), by the default channel (`shm`:
+    /// shared memory, read in place) and by the CPU communicator (`comm`:
+    /// `Transport::communicator()`, the metadata on the channel and the data through the
+    /// communicator): synchronous round trips, and a pipeline of 4 executions in flight.
+    fn tensor_edges(&mut self) -> Result<()> {
+        const SIZE: usize = 16 << 20;
+        const DEPTH: usize = 4;
+        let transports = [("shm", Transport::Shm), ("comm", Transport::communicator())];
+        let key = |w: &str, t: &str| format!("tensor_edge_16MiB{w}/{t}");
+        let wanted = |b: &Self, t: &str| b.wants(&key("", t)) || b.wants(&key("_pipe4", t));
+        if !transports.iter().any(|(t, _)| wanted(self, t)) {
+            return Ok(());
+        }
+        let n = (SIZE / 4) as u64;
+        let a = self.rt.spawn::<Shard>(Placement::Process, (0, n))?;
+        let b = self.rt.spawn::<Shard>(Placement::Process, (1, 1))?;
+        let count = self.counts.payload(SIZE);
+        for (name, transport) in transports {
+            if !wanted(self, name) {
+                continue;
+            }
+            let dag = Dag::<u64>::new();
+            let t = a.grad(dag.input()).with_tensor_transport(transport);
+            let opts = CompileOptions::default()
+                .buffer_size_bytes(SIZE + (64 << 10))
+                .max_inflight_executions(DEPTH);
+            let g = dag.compile(b.apply(&t), opts)?;
+            let check = |v: f32| -> Result<()> {
+                ensure!(v == 1.0, "the tensor edge returned {v}, not 1");
+                Ok(())
+            };
+            if self.wants(&key("", name)) {
+                let m = timed(self.counts.warmup(count).min(count), count, |_| {
+                    check(g.execute(0)?.get()?)
+                })?;
+                let mut row = m.row("tensor_edge_16MiB", name, String::new());
+                let rate = SIZE as f64 / (m.p50_us() * 1e-6) / 1e9;
+                row.gb_per_s = Some(rate);
+                row.note = format!("{rate:.2} GB/s (size / p50 round trip)");
+                self.push(row);
+            }
+            if self.wants(&key("_pipe4", name)) {
+                let iters = count * 2;
+                let m = pipelined(
+                    &g,
+                    DEPTH,
+                    self.counts.warmup(iters).min(iters),
+                    iters,
+                    |_, r| check(r.get()?),
+                )?;
+                let rate = SIZE as f64 * m.throughput() / 1e9;
+                let mut row = m.row("tensor_edge_16MiB_pipe4", name, String::new());
+                row.gb_per_s = Some(rate);
+                row.note = format!("{rate:.2} GB/s ({DEPTH} in flight; size × throughput)");
+                self.push(row);
+            }
+            g.teardown()?;
+        }
+        Ok(())
+    }
+
     /// The floor of a round trip here: a counter handed back and forth through one shared
     /// cache line between two threads, and between two processes (`floor.rs`).
     fn floors(&mut self) -> Result<()> {
@@ -840,6 +912,7 @@ fn run(args: &Args) -> Result<Vec<Row>> {
     b.fanout4().context("fanout4")?;
     b.payloads().context("payloads")?;
     b.transforms().context("transforms")?;
+    b.tensor_edges().context("tensor_edges")?;
     b.async_echo().context("async_echo")?;
     b.compile().context("compile")?;
     b.hosts().context("hosts")?;
@@ -849,6 +922,9 @@ fn run(args: &Args) -> Result<Vec<Row>> {
 fn main() -> Result<()> {
     adag::init();
     let args = Args::parse();
+    if args.scale {
+        return scale::run(args.quick, args.filter.as_deref(), args.json.as_deref());
+    }
     let machine = Machine::probe();
     eprintln!(
         "adag-bench {}: {} CPU(s), {}{}",

@@ -123,6 +123,115 @@ const UNSTICK_AFTER_MAX: Duration = Duration::from_millis(16);
 /// The sleep of [`UNSTICK_AFTER`] where moving is refused.
 const UNSTICK_SLEEP: Duration = Duration::from_micros(50);
 
+/// How many threads of a process may spin or yield in their waits at once, per CPU it may
+/// use (see [`Spinners`]). A bound against a runaway, not a tuning: a waiter refused the spin
+/// sleeps and must be woken by a system call, across CPUs, so a tight bound slows exactly the
+/// graphs that spinning and yielding serve well. Measured here on 2 CPUs (`adag-bench --scale`,
+/// thread actors): at 1 per CPU `chain3/thread` took 37 µs instead of 6.7; at 2, a chain of 4
+/// took 6.5 µs a hop instead of 2.7 and a fan-out to 4 readers 33 µs instead of 6; at 4, a
+/// fan-out to 16 readers took 222 µs instead of 22. A chain of 1,024 was no faster with any
+/// bound than with the idle rule alone (35-105 µs a hop from run to run).
+const SPINNERS_PER_CPU: u32 = 8;
+
+/// The threads of a process now in phase 1 or 2 of a wait (spinning, or yielding), counted
+/// across every channel end: a wait that would make them more than the process may use CPUs
+/// (times [`SPINNERS_PER_CPU`]) goes straight to its futex sleep. Spinning adapts to the
+/// number of threads that spin, not only to its own end's history.
+///
+/// A spinning waiter is runnable: where the threads outnumber the CPUs, every one of them
+/// stands in the run queue, so the thread that has work (the next stage of a chain) waits
+/// behind all of them for its turn, and each turn is a `sched_yield` round of the whole queue.
+/// The count bounds how many do so at once (a fan-out to a thousand thread actors would
+/// otherwise set a thousand spinners going on every execution); the others sleep until
+/// woken, which is what a hand-off between more threads than CPUs costs anyway.
+///
+/// An end whose last wait slept to its deadline sleeps at once ([`SpinPolicy`]'s `idle`):
+/// an actor waiting for the next execution wakes every 20 ms to look for one-off calls, and
+/// the spin that followed each look was what swamped the machine: 1,024 idle thread actors
+/// on 2 CPUs made 50,000 spins of 50 µs a second, the load average climbed past 500, and 200
+/// executions of their chain did not end in 10 minutes. With the rule they end in seconds.
+///
+/// Not modelled by loom (the count decides only whether a wait spins before it sleeps, never
+/// what it sleeps on): under `cfg(loom)` every wait spins.
+#[derive(Debug)]
+pub(crate) struct Spinners {
+    now: std::sync::atomic::AtomicU32,
+    /// The most that may spin at once; 0 until first used (then [`SPINNERS_PER_CPU`] times
+    /// the CPUs of the process).
+    limit: std::sync::atomic::AtomicU32,
+}
+
+/// The process's count of spinning waiters.
+pub(crate) static SPINNERS: Spinners = Spinners::new(0);
+
+impl Spinners {
+    /// A count allowing `limit` spinners (0: [`SPINNERS_PER_CPU`] per CPU of the process,
+    /// looked up once).
+    pub(crate) const fn new(limit: u32) -> Self {
+        Self {
+            now: std::sync::atomic::AtomicU32::new(0),
+            limit: std::sync::atomic::AtomicU32::new(limit),
+        }
+    }
+
+    fn limit(&self) -> u32 {
+        use std::sync::atomic::Ordering::Relaxed;
+        match self.limit.load(Relaxed) {
+            0 => {
+                let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let limit = u32::try_from(cpus)
+                    .unwrap_or(u32::MAX)
+                    .saturating_mul(SPINNERS_PER_CPU)
+                    .max(1);
+                self.limit.store(limit, Relaxed);
+                limit
+            }
+            limit => limit,
+        }
+    }
+
+    /// Counts the caller in as a spinner, if there is room: the returned guard counts it out.
+    #[cfg(not(loom))]
+    fn enter(&self) -> Option<Spinning<'_>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let limit = self.limit();
+        // A load first: where the room is taken, refusing costs no write to the shared line.
+        if self.now.load(Relaxed) >= limit {
+            return None;
+        }
+        if self.now.fetch_add(1, Relaxed) >= limit {
+            self.now.fetch_sub(1, Relaxed);
+            return None;
+        }
+        Some(Spinning(self))
+    }
+
+    #[cfg(loom)]
+    fn enter(&self) -> Option<Spinning<'_>> {
+        let _ = (&self.now, &self.limit, Self::limit);
+        Some(Spinning(self))
+    }
+
+    /// How many spin now.
+    #[cfg(all(test, not(loom)))]
+    fn spinning(&self) -> u32 {
+        self.now.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// One thread counted in [`Spinners`], until dropped.
+#[derive(Debug)]
+struct Spinning<'a>(&'a Spinners);
+
+impl Drop for Spinning<'_> {
+    fn drop(&mut self) {
+        #[cfg(not(loom))]
+        self.0
+            .now
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// A deadline that has always passed: a wait given it polls once and returns (a try),
 /// recognised without reading the clock.
 pub(crate) fn passed() -> Instant {
@@ -145,6 +254,12 @@ pub(crate) struct SpinPolicy {
     queued_at_look: Option<u64>,
     /// The interval between two looks: [`UNSTICK_AFTER`], doubled by each move.
     unstick_after: Duration,
+    /// The last wait slept until its deadline: this end is idle (an actor waiting for the
+    /// next execution in slices, to look for one-off calls between them), and its next wait
+    /// sleeps at once (see [`Spinners`]).
+    idle: bool,
+    /// The count of spinning threads this end takes part in ([`SPINNERS`]; a test's own).
+    spinners: &'static Spinners,
 }
 
 impl SpinPolicy {
@@ -157,6 +272,17 @@ impl SpinPolicy {
             yielding_since: None,
             queued_at_look: None,
             unstick_after: UNSTICK_AFTER,
+            idle: false,
+            spinners: &SPINNERS,
+        }
+    }
+
+    /// A policy counted in `spinners` instead of the process's count (a test's own).
+    #[cfg(all(test, not(loom)))]
+    fn counted_in(budget: Duration, spinners: &'static Spinners) -> Self {
+        Self {
+            spinners,
+            ..Self::new(budget)
         }
     }
 
@@ -245,14 +371,24 @@ impl SpinPolicy {
         &mut self,
         mut ready: impl FnMut() -> Result<bool, E>,
     ) -> Result<bool, E> {
+        if ready()? {
+            // What `learn` makes of a wait that never spun.
+            self.pure_steps = PURE_STEPS;
+            self.end_run_of_yields();
+            return Ok(true);
+        }
+        // As many threads as CPUs spin already: sleep (see [`Spinners`]).
+        let Some(_spinning) = self.spinners.enter() else {
+            return Ok(false);
+        };
         let mut backoff = self.backoff();
         loop {
+            if let Step::Spent(_) = backoff.snooze() {
+                return Ok(false);
+            }
             if ready()? {
                 self.learn(&backoff);
                 return Ok(true);
-            }
-            if let Step::Spent(_) = backoff.snooze() {
-                return Ok(false);
             }
         }
     }
@@ -405,6 +541,16 @@ impl WaitCell {
         if deadline.is_some_and(|d| d == passed()) {
             return None;
         }
+        // An idle end (its last wait slept to its deadline) sleeps at once, and so does a
+        // wait that would make more threads spin than there are CPUs ([`Spinners`]).
+        let spinning = if policy.idle {
+            None
+        } else {
+            policy.spinners.enter()
+        };
+        let Some(spinning) = spinning else {
+            return self.sleep_learning(policy, deadline, poll);
+        };
         let mut backoff = policy.backoff();
         loop {
             let step = backoff.snooze();
@@ -418,9 +564,24 @@ impl WaitCell {
                     return None;
                 }
                 Step::Yielded(_) => {}
-                Step::Spent(_) => return self.sleep(deadline, poll),
+                Step::Spent(_) => {
+                    drop(spinning);
+                    return self.sleep_learning(policy, deadline, poll);
+                }
             }
         }
+    }
+
+    /// [`sleep`](Self::sleep), remembering in `policy` whether it ran to its deadline.
+    fn sleep_learning<T>(
+        &self,
+        policy: &mut SpinPolicy,
+        deadline: Option<Instant>,
+        poll: impl FnMut() -> Option<T>,
+    ) -> Option<T> {
+        let got = self.sleep(deadline, poll);
+        policy.idle = got.is_none();
+        got
     }
 
     /// Phase 3: register as a sleeper and sleep on the futex until `poll` is ready.
@@ -690,7 +851,7 @@ mod tests {
     fn the_pure_spin_adapts_to_how_waits_end() {
         with_watchdog(WATCHDOG, || {
             let cell = WaitCell::default();
-            let mut policy = SpinPolicy::new(DEFAULT_SPIN);
+            let mut policy = SpinPolicy::counted_in(DEFAULT_SPIN, own_spinners(u32::MAX));
             let mut polls = 0;
             // Ready at the first poll after the pure-spin phase.
             let ready_after = |polls: &mut u32, n: u32| {
@@ -723,7 +884,8 @@ mod tests {
         const NEVER: Duration = Duration::from_secs(3600);
         with_watchdog(WATCHDOG, || {
             let cell = WaitCell::default();
-            let mut policy = SpinPolicy::new(NEVER);
+            // A count of its own: the spinning of tests beside it must not make it sleep.
+            let mut policy = SpinPolicy::counted_in(NEVER, own_spinners(u32::MAX));
             policy.unstick_after = NEVER;
             let mut polls = 0;
             let mut ready_after = |n: u32| {
@@ -807,6 +969,139 @@ mod tests {
         assert_eq!(policy.unstick_after, UNSTICK_AFTER_MAX / 2);
         // Where the kernel keeps no count, nothing moves.
         assert!(!policy.look(heads, interval, None, idle_cpu));
+    }
+
+    /// A count of its own for a test, so that the waits of tests running beside it do not
+    /// take its room.
+    fn own_spinners(limit: u32) -> &'static Spinners {
+        Box::leak(Box::new(Spinners::new(limit)))
+    }
+
+    /// Waits until `done` holds, failing after 20 s.
+    fn until(what: &str, mut done: impl FnMut() -> bool) {
+        let give_up = Instant::now() + Duration::from_secs(20);
+        while !done() {
+            assert!(Instant::now() < give_up, "never: {what}");
+            thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// With more waiters than the count allows, as many spin as it allows and every other one
+    /// sleeps at once, although each has an hour of spin budget; woken, each sees its flag.
+    #[test]
+    fn waiters_beyond_the_count_of_spinners_sleep_at_once() {
+        const WAITERS: usize = 8;
+        const LIMIT: u32 = 2;
+        with_watchdog(WATCHDOG, || {
+            let spinners = own_spinners(LIMIT);
+            let cells: Arc<Vec<WaitCell>> =
+                Arc::new((0..WAITERS).map(|_| WaitCell::default()).collect());
+            let flags: Arc<Vec<AtomicU32>> =
+                Arc::new((0..WAITERS).map(|_| AtomicU32::new(0)).collect());
+            let waiters: Vec<_> = (0..WAITERS)
+                .map(|i| {
+                    let (cells, flags) = (cells.clone(), flags.clone());
+                    thread::spawn(move || {
+                        let mut policy =
+                            SpinPolicy::counted_in(Duration::from_secs(3600), spinners);
+                        cells[i].wait(&mut policy, None, || {
+                            (flags[i].load(Ordering::Acquire) == 1).then_some(())
+                        })
+                    })
+                })
+                .collect();
+            let sleeping = || {
+                cells
+                    .iter()
+                    .map(|c| c.sleepers.load(Ordering::Relaxed))
+                    .sum::<u32>()
+            };
+            until("two spin and six sleep", || {
+                spinners.spinning() == LIMIT && sleeping() == WAITERS as u32 - LIMIT
+            });
+            // It stays so: the sleepers do not come back to spin.
+            thread::sleep(Duration::from_millis(20));
+            assert_eq!(spinners.spinning(), LIMIT);
+            assert_eq!(sleeping(), WAITERS as u32 - LIMIT);
+            for (flag, cell) in flags.iter().zip(cells.iter()) {
+                flag.store(1, Ordering::Release);
+                cell.notify();
+            }
+            for waiter in waiters {
+                assert_eq!(waiter.join().unwrap(), Some(()));
+            }
+            assert_eq!(spinners.spinning(), 0, "every spinner counted itself out");
+            assert_eq!(sleeping(), 0);
+        });
+    }
+
+    /// `idle` (the phase-1 and 2 wait of a socket or a call queue) is counted too: over the
+    /// count it returns at once, for the caller to sleep its own way.
+    #[test]
+    fn an_idle_poll_over_the_count_returns_at_once() {
+        let spinners = own_spinners(1);
+        let held = spinners.enter().expect("room for one");
+        let mut policy = SpinPolicy::counted_in(Duration::from_secs(3600), spinners);
+        let mut polls = 0;
+        let got = policy.idle(|| {
+            polls += 1;
+            Ok::<_, ()>(false)
+        });
+        assert_eq!(got, Ok(false));
+        assert_eq!(polls, 1);
+        drop(held);
+        let mut polls = 0;
+        let got = policy.idle(|| {
+            polls += 1;
+            Ok::<_, ()>(polls > 3)
+        });
+        assert_eq!(got, Ok(true));
+        assert_eq!(spinners.spinning(), 0);
+    }
+
+    /// A wait that slept to its deadline leaves its end idle: the next wait sleeps at once
+    /// (an actor looking for one-off calls between executions does not spin every time it
+    /// looks); one that is answered makes the end spin again.
+    #[test]
+    fn after_a_wait_that_slept_to_its_deadline_the_next_one_sleeps_at_once() {
+        with_watchdog(WATCHDOG, || {
+            let spinners = own_spinners(4);
+            let cell = Arc::new(WaitCell::default());
+            let flag = Arc::new(AtomicU32::new(0));
+            let mut policy = SpinPolicy::counted_in(Duration::from_micros(50), spinners);
+            let deadline = Some(Instant::now() + Duration::from_millis(5));
+            assert_eq!(cell.wait(&mut policy, deadline, || None::<()>), None);
+            assert!(policy.idle);
+            // An hour of spin budget, yet it sleeps (registers) at once.
+            policy.budget = Duration::from_secs(3600);
+            let waiter = {
+                let (cell, flag) = (cell.clone(), flag.clone());
+                thread::spawn(move || {
+                    let got = cell.wait(&mut policy, None, || {
+                        (flag.load(Ordering::Acquire) >= 1).then_some(())
+                    });
+                    (got, policy)
+                })
+            };
+            until("the idle end sleeps", || {
+                cell.sleepers.load(Ordering::Relaxed) == 1
+            });
+            assert_eq!(spinners.spinning(), 0);
+            flag.store(1, Ordering::Release);
+            cell.notify();
+            let (got, mut policy) = waiter.join().unwrap();
+            assert_eq!(got, Some(()));
+            assert!(!policy.idle, "answered: no longer idle");
+            // The next wait spins again (and is answered while it does).
+            let mut polls = 0;
+            let got = cell.wait(&mut policy, None, || {
+                polls += 1;
+                assert!(polls > 3 || spinners.spinning() == (polls > 1) as u32);
+                (polls > 3).then_some(())
+            });
+            assert_eq!(got, Some(()));
+            assert_eq!(cell.sleepers.load(Ordering::Relaxed), 0);
+        });
     }
 
     #[test]
