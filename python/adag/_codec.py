@@ -39,10 +39,11 @@ import os
 import pickle
 import sys
 import threading
+import types
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["dumps", "loads", "tensor_from", "tensor_parts"]
+__all__ = ["dumps", "dumps_main", "loads", "tensor_from", "tensor_parts"]
 
 #: The device the reducer and the rebuild function apply (per thread: an actor's thread and
 #: the driver's threads each run their own dumps and loads).
@@ -318,6 +319,13 @@ def dumps(obj: Any, device: Optional[str] = None) -> Tuple[bytes, List[pickle.Pi
         _state.send_device = previous
 
 
+def names_main(stream: bytes) -> bool:
+    """Whether a pickle refers to something of ``__main__`` by name (a class, function or
+    enum of the driver's script): the worker's ``__main__`` is not the script, so such a
+    value goes by value instead (cloudpickle), as Ray does."""
+    return b"__main__" in stream
+
+
 def _dumps(obj: Any) -> Tuple[bytes, List[pickle.PickleBuffer]]:
     buffers: List[pickle.PickleBuffer] = []
     if "torch" in sys.modules:
@@ -326,19 +334,91 @@ def _dumps(obj: Any) -> Tuple[bytes, List[pickle.PickleBuffer]]:
         f = io.BytesIO()
         try:
             _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
-            return f.getvalue(), buffers
-        except Exception as e:
-            error = e
+            stream = f.getvalue()
+            if not names_main(stream):
+                return stream, buffers
+        except Exception:
+            pass
     else:
         try:
-            return pickle.dumps(obj, protocol=5, buffer_callback=buffers.append), buffers
-        except Exception as e:
-            error = e
+            stream = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+            if not names_main(stream):
+                return stream, buffers
+        except Exception:
+            pass
     del buffers[:]
+    # It named something of `__main__`, or plain pickle refused it (in a worker, a class of
+    # the driver's script rebuilt there): the script's objects by value, the rest as before.
+    try:
+        return dumps_main(obj, buffers), buffers
+    except Exception as e:
+        error = e
+        del buffers[:]
+    # What else plain pickle refuses (lambdas, local classes): all by value.
     try:
         return _cloud_dumps(obj, buffers), buffers
     except ImportError:
         raise error from None
+
+
+#: The classes, functions and enums of the driver's script met so far, each with the key
+#: and the definition (cloudpickled once) that stand for it in a stream; and by key, those
+#: this process made or rebuilt.
+_main_definitions: Dict[Any, Tuple[str, bytes]] = {}
+_main_objects: Dict[str, Any] = {}
+_main_lock = threading.Lock()
+
+
+def _main_definition(obj: Any) -> Tuple[str, bytes]:
+    with _main_lock:
+        found = _main_definitions.get(obj)
+        if found is None:
+            import uuid
+
+            import cloudpickle
+
+            found = (uuid.uuid4().hex, cloudpickle.dumps(obj, protocol=5))
+            _main_definitions[obj] = found
+            _main_objects[found[0]] = obj
+        return found
+
+
+def _main_object(key: str, definition: bytes) -> Any:
+    """Unpickling something of the driver's script: the object this process already has
+    under ``key`` (its own, or one rebuilt before), else rebuilt from its definition once."""
+    obj = _main_objects.get(key)
+    if obj is None:
+        with _main_lock:
+            obj = _main_objects.get(key)
+            if obj is None:
+                obj = pickle.loads(definition)
+                _main_objects[key] = obj
+                _main_definitions[obj] = (key, definition)
+    return obj
+
+
+class _MainPickler(pickle.Pickler):
+    """A pickler for values that name something of ``__main__``: each such class, function
+    or enum travels as ``_main_object(key, definition)``, its definition pickled (by value,
+    cloudpickle) once per process and rebuilt once per receiving process, not at every
+    value; tensors out of band as in :func:`dumps`."""
+
+    dispatch_table: Dict[Any, Any] = copyreg.dispatch_table
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            return (_main_object, _main_definition(obj))
+        return NotImplemented
+
+
+def dumps_main(obj: Any, buffers: List[pickle.PickleBuffer]) -> bytes:
+    """Pickle ``obj`` with :class:`_MainPickler` (its buffers appended to ``buffers``)."""
+    f = io.BytesIO()
+    pickler = _MainPickler(f, protocol=5, buffer_callback=buffers.append)
+    if "torch" in sys.modules:
+        pickler.dispatch_table = _table()
+    pickler.dump(obj)
+    return f.getvalue()
 
 
 _cloud_pickler: Any = None

@@ -206,6 +206,7 @@ struct Codec {
     tensor_parts: PyObject,
     tensor_from: PyObject,
     in_argument: PyObject,
+    dumps_main: PyObject,
 }
 
 fn codec(py: Python<'_>) -> PyResult<&'static Codec> {
@@ -218,6 +219,7 @@ fn codec(py: Python<'_>) -> PyResult<&'static Codec> {
             tensor_parts: m.getattr("tensor_parts")?.unbind(),
             tensor_from: m.getattr("tensor_from")?.unbind(),
             in_argument: m.getattr("in_argument")?.unbind(),
+            dumps_main: m.getattr("dumps_main")?.unbind(),
         })
     })
 }
@@ -544,15 +546,26 @@ pub fn dumps_to(py: Python<'_>, obj: &Bound<'_, PyAny>, device: Option<&str>) ->
     kwargs.set_item("protocol", 5)?;
     kwargs.set_item("buffer_callback", buffers.getattr("append")?)?;
     let stream = match p.dumps.bind(py).call((obj,), Some(&kwargs)) {
-        Ok(s) => s,
-        // Lambdas, local classes: cloudpickle pickles them by value.
-        Err(e) => match &p.cloud_dumps {
-            Some(cloud) => {
-                buffers.call_method0("clear")?;
-                cloud.bind(py).call((obj,), Some(&kwargs))?
+        // Something of the driver's script by name (a dataclass of `__main__`): the worker's
+        // `__main__` is not the script, so it goes by value (cloudpickle), as Ray sends it.
+        Ok(s) if !names_main(&s) || p.cloud_dumps.is_none() => s,
+        // Something of the driver's script by name (a dataclass of `__main__`), or that plain
+        // pickle refuses: the script's classes by value, each defined once per process
+        // (`_codec.dumps_main`); anything else it refuses (lambdas, local classes) by value
+        // through cloudpickle.
+        first => {
+            buffers.call_method0("clear")?;
+            match codec(py)?.dumps_main.bind(py).call1((obj, &buffers)) {
+                Ok(s) => s,
+                Err(_) => match &p.cloud_dumps {
+                    Some(cloud) => {
+                        buffers.call_method0("clear")?;
+                        cloud.bind(py).call((obj,), Some(&kwargs))?
+                    }
+                    None => first?,
+                },
             }
-            None => return Err(e),
-        },
+        }
     };
     let mut oob = Vec::with_capacity(buffers.len());
     for b in buffers.iter() {
@@ -564,6 +577,14 @@ pub fn dumps_to(py: Python<'_>, obj: &Bound<'_, PyAny>, device: Option<&str>) ->
         data: buffer_of(&stream)?,
         oob,
     })
+}
+
+/// Whether a pickle stream names `__main__` (see `adag/_codec.py`, `names_main`).
+fn names_main(stream: &Bound<'_, PyAny>) -> bool {
+    const MAIN: &[u8] = b"__main__";
+    stream
+        .downcast::<PyBytes>()
+        .is_ok_and(|b| b.as_bytes().windows(MAIN.len()).any(|w| w == MAIN))
 }
 
 /// Unpickle a value; its out-of-band buffers become [`ShmBuffer`]s, so a numpy array is a
