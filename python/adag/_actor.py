@@ -15,7 +15,7 @@ import time
 import weakref
 from typing import Any, Dict, Generic, List, Optional, Tuple, TypeVar
 
-from . import _native
+from . import _async_actor, _native
 from .exceptions import ActorDiedError, GetTimeoutError, RaySystemError
 
 T = TypeVar("T")
@@ -139,6 +139,8 @@ def _load_class(data: bytes) -> type:
         # The driver's copy is what the class was made from (the file may change or go): a
         # cache entry without a time is never checked against the disk.
         linecache.cache[name] = (sum(len(x) for x in lines), None, lines, name)
+    if _async_actor.is_async(cls):
+        _async_actor.prepare(cls)
     return cls
 
 
@@ -393,12 +395,23 @@ class ActorHandle:
     constructor or method argument): there its methods' ``.remote()`` calls run through
     this driver."""
 
-    def __init__(self, native: Any, class_name: str, methods: _MethodTable) -> None:
+    def __init__(
+        self,
+        native: Any,
+        class_name: str,
+        methods: _MethodTable,
+        async_methods: frozenset = frozenset(),
+        max_concurrency: int = 1,
+    ) -> None:
         self._native = native
         self._class_name = class_name
         self._methods = methods
+        # An async actor's one-off calls run concurrently (Ray's `max_concurrency`); a
+        # sync actor's, one at a time in the order they were made.
+        self._async_methods = async_methods
         self._calls = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"adag-call-{native.name}"
+            max_workers=max_concurrency if async_methods else 1,
+            thread_name_prefix=f"adag-call-{native.name}",
         )
         self._session = _session
         _handles[native.name] = weakref.ref(self)
@@ -473,7 +486,16 @@ class ActorHandle:
                     f"{method}.remote(...) takes values (or ObjectRefs), not graph nodes; "
                     "use .bind(...) to build a graph"
                 )
-            return self._native.call(method, template)
+            if method not in self._async_methods:
+                return self._native.call(method, template)
+            # On the actor's event loop, concurrently with its other calls (see
+            # `adag._async_actor`): started, then asked about until done.
+            start, _ = _template((method, tuple(resolved), kw), {})
+            status, value = self._native.call("__adag_async_start__", start)
+            while status == "pending":
+                ask, _ = _template((value,), {})
+                status, value = self._native.call("__adag_async_poll__", ask)
+            return value
 
         self._check_session()
         for v in itertools.chain(args, kwargs.values()):
@@ -615,7 +637,17 @@ class ActorClass(Generic[T]):
             # As in Ray: the handle is returned, and its first use raises (a program's
             # `try` around its first call catches it there).
             native = _Unborn(name, host, self.__name__, str(e))
-        handle = ActorHandle(native, self._cls.__name__, self._methods)
+        handle = ActorHandle(
+            native,
+            self._cls.__name__,
+            self._methods,
+            frozenset(
+                name
+                for name in self._methods
+                if inspect.iscoroutinefunction(getattr(self._cls, name, None))
+            ),
+            int(self._options.get("max_concurrency") or 1000),
+        )
         # What the compile checks of the accelerator transport read (Ray's: the actor has a GPU).
         handle._num_gpus = self._options.get("num_gpus") or 0
         from . import _ray

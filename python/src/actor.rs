@@ -254,6 +254,7 @@ impl PyActor {
                     method.call1(PyTuple::new(py, args)?)?
                 }
             };
+            let out = awaited(py, out)?;
             check_returns(&out, b.num_returns)?;
             return dumps_to(py, &out, b.out_device.as_deref());
         }
@@ -277,10 +278,27 @@ impl PyActor {
                 Some(k)
             }
         };
-        let out = method.call(args, kwargs.as_ref())?;
+        let out = awaited(py, method.call(args, kwargs.as_ref())?)?;
         check_returns(&out, b.num_returns)?;
         dumps_to(py, &out, b.out_device.as_deref())
     }
+}
+
+/// The result of an `async def` method (a coroutine) run on the actor's event loop, the
+/// task waiting for it (`adag/_async_actor.py`); any other result as it is.
+fn awaited<'py>(py: Python<'py>, out: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    static ASYNC: pyo3::sync::GILOnceCell<(PyObject, PyObject)> = pyo3::sync::GILOnceCell::new();
+    let (coroutine, run) = ASYNC.get_or_try_init(py, || {
+        Ok::<_, PyErr>((
+            py.import("types")?.getattr("CoroutineType")?.unbind(),
+            py.import("adag._async_actor")?.getattr("run")?.unbind(),
+        ))
+    })?;
+    if !out.get_type().is(coroutine.bind(py)) {
+        return Ok(out);
+    }
+    // The loop runs on its own thread; waiting for its result releases the GIL.
+    run.bind(py).call1((out,))
 }
 
 /// A method with `num_returns` of `n` > 1 must return `n` values (Ray's check, with Ray's
