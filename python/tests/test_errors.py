@@ -142,9 +142,10 @@ def test_submit_timeout_names_the_option():
         dag = a.sleep.bind(inp, "done")
     compiled = dag.experimental_compile(_max_inflight_executions=1, _submit_timeout=0.2)
     try:
-        # The only execution in flight runs for 1 s and its ref is gone: the next submission
+        # The only execution in flight runs for 3 s and its ref is gone: the next submission
         # must read (and discard) its result first, and gives up after _submit_timeout.
-        compiled.execute(1.0)
+        # (3 s: a full collection in a long test run can take a second.)
+        compiled.execute(3.0)
         gc.collect()
         t = time.monotonic()
         with pytest.raises(adag.GetTimeoutError, match=r"_submit_timeout=") as info:
@@ -152,7 +153,7 @@ def test_submit_timeout_names_the_option():
         assert 0.15 < time.monotonic() - t < 1.5
         assert isinstance(info.value, TimeoutError)
         # Nothing was submitted, and the graph goes on once the slow execution is over.
-        time.sleep(1.0)
+        time.sleep(3.0)
         assert compiled.execute(0).get(timeout=30) == "done"
     finally:
         compiled.teardown()
