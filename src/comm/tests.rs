@@ -12,7 +12,7 @@ use std::thread;
 use std::time::Instant;
 
 /// Runs `f` on its own thread and fails the test if it takes longer than `secs`.
-fn watchdog<R: Send + 'static>(secs: u64, f: impl FnOnce() -> R + Send + 'static) -> R {
+pub(super) fn watchdog<R: Send + 'static>(secs: u64, f: impl FnOnce() -> R + Send + 'static) -> R {
     let (tx, rx) = mpsc::channel();
     thread::spawn(move || {
         let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));

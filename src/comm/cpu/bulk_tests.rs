@@ -5,26 +5,13 @@
 //! A tensor read in place lies in the sender's single-copy area as the receiver maps it, one
 //! block header past a page boundary; the tests use that to tell which path a tensor took.
 use super::{BLOCK_HEADER, BULK_MIN_BYTES, CpuCommunicator, CpuGroup, CpuGroupOptions, PAGE};
+use crate::comm::tests::watchdog;
 use crate::comm::{CommError, CommOp, Communicator};
 use crate::tensor::{DType, Tensor};
 use std::os::fd::AsRawFd;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
-use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
-
-/// Runs `f` on its own thread and fails the test if it takes longer than `secs`.
-fn watchdog<R: Send + 'static>(secs: u64, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(Ok(r)) => r,
-        Ok(Err(panic)) => resume_unwind(panic),
-        Err(_) => panic!("watchdog: the test did not finish within {secs} s (a hang)"),
-    }
-}
 
 /// Options whose waits go to sleep on the futex at once (no spinning, no yielding), so that
 /// a lost wake-up costs a whole sleep slice (100 ms) and shows in the time a test takes.
