@@ -16,6 +16,7 @@ import itertools
 import os
 import pickle
 import uuid
+import warnings
 import weakref
 from collections import deque
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -919,6 +920,9 @@ class CompiledDAG:
         self.execute = self._native.execute  # type: ignore[method-assign]
         # The actors stay alive as long as the graph.
         self._actors = [n._actor for n in order]
+        # What visualize() names the nodes and input parts by.
+        self._nodes: List[DAGNode] = order
+        self._parts = parts
         _live.add(self)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -993,12 +997,29 @@ class CompiledDAG:
         view: bool = False,
         channel_details: bool = False,
     ) -> str:
-        """The graph and each actor's schedule as Graphviz DOT text, with each node named
-        by its Python method (``Class#n.method``). Ray's arguments are accepted; nothing is
-        written or rendered (pass the text to Graphviz: ``dot -Tpng``)."""
+        """Draw the graph: each task named by its actor and Python method
+        (``Worker#1.forward#6``, then ``Worker.forward()`` and its type hint), the input parts
+        as the program spells them (``inp[0]``), the outputs, and each actor's schedule (its
+        steps in the order it runs them). ``channel_details=True`` labels each edge with how
+        its reader gets the value (``shared memory``, ``in-memory``, ``network``, ``slot``: on
+        the same actor) and each schedule with the actor's host and pid.
+
+        As Ray does, Graphviz (the ``graphviz`` package and its ``dot`` program) writes the
+        DOT source to ``filename`` and the picture to ``filename + "." + format``, opened
+        when ``view=True``; returns the DOT source. Without Graphviz, ``ImportError`` (no
+        package) or ``graphviz.ExecutableNotFound`` (no ``dot``) says what to install.
+        ``format="ascii"`` writes nothing and returns a text picture, without Graphviz."""
+        from . import _visualize
+
         if format == "ascii" and channel_details:
             raise ValueError("Parameters 'channel_details' are not compatible with 'ascii' format.")
-        return self._native.visualize()
+        picture = _visualize.picture(self._native, self._nodes, self._parts)
+        if format == "ascii":
+            return picture.ascii()
+        actors = {a._actor_name: a for a in self._actors}
+        source = picture.dot(channel_details, actors)
+        _visualize.render(source, filename, format, view)
+        return source
 
     def stats(self) -> Dict[str, Any]:
         """Where the executions and time went so far (adag's ``CompiledGraph::stats``):

@@ -326,6 +326,9 @@ pub struct NativeGraph {
     get_timeout: Duration,
     /// The graph's id as `str(ref)` shows it (`CompiledDAG.get_id()`).
     id: Arc<str>,
+    /// How `visualize()` names each node given to `new`, in that order (`Node::describe`),
+    /// so that `adag/_dag.py` can name them by their Python methods and types.
+    node_names: Vec<String>,
 }
 
 fn options_from(opts: &Bound<'_, PyDict>) -> PyResult<CompileOptions> {
@@ -437,6 +440,7 @@ impl NativeGraph {
                     .ok_or_else(|| PyValueError::new_err("bad output"))
             })
             .collect::<PyResult<Vec<_>>>()?;
+        let node_names = built.iter().map(|n| n.describe()).collect();
         let graph = py
             .allow_threads(|| dag.compile(outs, opts))
             .map_err(|e| to_py_err(py, e))?;
@@ -451,6 +455,7 @@ impl NativeGraph {
             outputs: outputs.len(),
             get_timeout,
             id: id.into(),
+            node_names,
         })
     }
 
@@ -547,6 +552,11 @@ impl NativeGraph {
     /// The graph as Graphviz DOT.
     fn visualize(&self, py: Python<'_>) -> PyResult<String> {
         Ok(self.live(py)?.visualize())
+    }
+
+    /// How `visualize()` names each node given to `new`, in that order.
+    fn node_names(&self) -> Vec<String> {
+        self.node_names.clone()
     }
 
     /// The graph's statistics (`CompiledGraph::stats`) as a dict.

@@ -560,7 +560,7 @@ def test_python_names_in_pictures_stats_and_timeline(tmp_path, monkeypatch):
     try:
         for i in range(3):
             ray.get(compiled.execute(i))
-        dot = compiled.visualize()
+        dot = compiled.visualize(format="ascii")
         assert ".split#" in dot and ".split[1]#" in dot and ".fwd#" in dot, dot
         assert "call1" not in dot
         stats = compiled.stats()
