@@ -315,3 +315,50 @@ def test_collectives_and_a_tensor_edge_span_hosts(hosts):
             assert np.array_equal(out[3], x * 5)
     finally:
         compiled.teardown()
+
+
+MAIN_ACROSS_HOSTS = textwrap.dedent(
+    """
+    import dataclasses, sys
+    sys.path.insert(0, {here!r})
+    import adag
+    from adag import InputNode
+    from adag.cluster import LocalHosts
+    from actors import Where
+
+    @dataclasses.dataclass
+    class Order:
+        item: str
+        count: int
+
+    adag.init(listen="127.0.0.1:0", token="main-across-hosts")
+    hosts = LocalHosts(2, names=["far-a", "far-b"])
+    try:
+        a_node, b_node = hosts.node_ids()
+        W = adag.remote(Where)
+        a = W.options(host=a_node).remote(0)
+        b = W.options(host=b_node).remote(0)
+        with InputNode() as inp:
+            dag = b.echo.bind(a.echo.bind(inp))
+        compiled = dag.experimental_compile()
+        out = compiled.execute(Order("tea", 3)).get(timeout=60)
+        print("across", type(out) is Order and out == Order("tea", 3))
+        compiled.teardown()
+    finally:
+        adag.shutdown()
+        hosts.stop()
+    """
+)
+
+
+def test_a_class_of_the_script_crosses_hosts_by_value():
+    """A dataclass of the driver's ``__main__`` through actors on two other hosts (TCP
+    between them) and back: it travels by value and returns as the script's own class."""
+    p = subprocess.run(
+        [sys.executable, "-c", MAIN_ACROSS_HOSTS.format(here=HERE)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "across True" in p.stdout.split("\n"), p.stdout + p.stderr
