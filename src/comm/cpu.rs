@@ -1967,6 +1967,17 @@ impl Communicator for CpuCommunicator {
         for (s, &d) in mine.shape.iter_mut().zip(shape) {
             *s = d as u64;
         }
+        // A send of another dtype or shape than this recv asks for: the call's error.
+        let same_tensor =
+            |m: &Meta| m.dtype == mine.dtype && m.ndim == mine.ndim && m.shape == mine.shape;
+        let mismatched = |m: &Meta| CommError::Mismatch {
+            group: self.group(),
+            rank: self.rank,
+            peer,
+            op,
+            expected: format!("a recv of {}", mine.describe()),
+            found: format!("a send of {}", m.describe()),
+        };
         let mut buf: Option<AlignedBuf> = None;
         let mut mismatch: Option<Meta> = None;
         let mut got = 0usize;
@@ -2027,16 +2038,9 @@ impl Communicator for CpuCommunicator {
                     off,
                     len: total,
                 };
-                if m.dtype != mine.dtype || m.ndim != mine.ndim || m.shape != mine.shape {
+                if !same_tensor(&m) {
                     drop(lease);
-                    return Err(CommError::Mismatch {
-                        group: self.group(),
-                        rank: self.rank,
-                        peer,
-                        op,
-                        expected: format!("a recv of {}", mine.describe()),
-                        found: format!("a send of {}", m.describe()),
-                    });
+                    return Err(mismatched(&m));
                 }
                 if total != expected_bytes {
                     drop(lease);
@@ -2061,7 +2065,7 @@ impl Communicator for CpuCommunicator {
                 ));
             }
             if first {
-                if m.dtype != mine.dtype || m.ndim != mine.ndim || m.shape != mine.shape {
+                if !same_tensor(&m) {
                     mismatch = Some(m);
                 } else if total != expected_bytes {
                     return Err(self.protocol_error(
@@ -2099,14 +2103,7 @@ impl Communicator for CpuCommunicator {
         }
         seq_word.store(seq + 1, Ordering::Relaxed);
         if let Some(m) = mismatch {
-            return Err(CommError::Mismatch {
-                group: self.group(),
-                rank: self.rank,
-                peer,
-                op,
-                expected: format!("a recv of {}", mine.describe()),
-                found: format!("a send of {}", m.describe()),
-            });
+            return Err(mismatched(&m));
         }
         let buf = buf.unwrap_or_else(|| AlignedBuf::zeroed(0));
         Tensor::from_aligned(dtype, shape.to_vec(), buf).map_err(tensor_err)
