@@ -1,6 +1,6 @@
 //! The wait strategy of every channel: spin briefly, yield, then sleep on a process-shared futex.
 //!
-//! Measured on the 2-vCPU machines adag targets (see `reference/measurements.md`): a
+//! Measured on the 2-vCPU machines adag targets: a
 //! cross-process spin ping-pong costs ~0.3 µs per round trip, while anything that blocks and is
 //! woken across vCPUs costs ~80 µs. A **50 µs spin window** keeps round trips at ~0.3 µs; a 5 µs
 //! window lets a quarter of them fall asleep. But pure spinning when the actors outnumber the
