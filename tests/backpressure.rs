@@ -239,13 +239,28 @@ where
     O: adag::IntoOutputs,
 {
     let mut refs = Vec::new();
-    for i in 0..50 {
-        match block_on(g.execute_async(i)) {
-            Ok(r) => refs.push(r),
+    let mut refused = false;
+    for _ in 0..50 {
+        // The values are the executions' indices: 0, 1, 2, ...
+        match block_on(g.execute_async(refs.len() as u64)) {
+            Ok(r) => {
+                refs.push(r);
+                refused = false;
+            }
+            // Full only when a refusal outlasts the time the pump needs to read a result
+            // (a slow, loaded machine may take longer than one pause): refused twice in a row.
             Err(Error::CapacityExceeded {
                 capacity: Capacity::InflightExecutions,
                 ..
-            }) => return refs,
+            }) if refused => return refs,
+            Err(Error::CapacityExceeded {
+                capacity: Capacity::InflightExecutions,
+                ..
+            }) => {
+                refused = true;
+                std::thread::sleep(Duration::from_millis(300));
+                continue;
+            }
             Err(e) => panic!("filling the graph: {e}"),
         }
         // Let the pump read what it can.
